@@ -1,0 +1,110 @@
+"""``python -m pipeline stage=<name> [overrides]``: run one stage, or ``stage=all``.
+
+Config mistakes (an unknown key, a wrong type, an unknown stage or group option) and bad input end
+with one line on stderr and exit code 2; no artifact is written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.config import register_configs
+from pipeline.errors import PipelineError
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+log = logging.getLogger("pipeline")
+
+
+def fail(message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run_stages(cfg: DictConfig) -> dict:
+    from pipeline.context import StageContext
+    from pipeline.stages import ORDER, STAGES
+
+    if cfg.model.threads:
+        import torch
+        torch.set_num_threads(int(cfg.model.threads))
+    ctx = StageContext(cfg)
+    names = list(ORDER) if cfg.stage == "all" else [cfg.stage]
+    if cfg.stage not in STAGES and cfg.stage != "all":
+        raise PipelineError(f"unknown stage {cfg.stage!r}; known: {', '.join(['all', *STAGES])}")
+    results = {}
+    for name in names:
+        spec = STAGES[name]
+        if not spec.built:
+            if cfg.stage == "all":
+                print(f"[{name}] not built yet: skipped", flush=True)
+                continue
+            raise PipelineError(f"stage {name!r} is not built yet")
+        stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
+        print(f"[{name}] {spec.doc}", flush=True)
+        results[name] = spec.run(stage_cfg, ctx)
+    return results
+
+
+def _task(cfg: DictConfig) -> None:
+    try:
+        run_stages(cfg)
+    except PipelineError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; previous artifacts left as they were")
+
+
+def _first_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf messages are multi-line; keep the lines that name the problem."""
+    skip = ("full_key", "object_type", "reference_type", "To append", "Config search path",
+            "Set the environment", "provider=")
+    parts = []
+    for e in (exc, exc.__cause__):
+        if e is None:
+            continue
+        text = str(e)
+        if "Available options in" in text:  # an unknown group option: list the known ones inline
+            head, _, opts = text.partition("Available options in")
+            options = [o.strip() for o in opts.split("Config search path")[0].split("\n")[1:] if o.startswith("\t")]
+            text = head.strip() + f" (known: {', '.join(options)})"
+        parts += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(skip)]
+    return ": ".join(dict.fromkeys(parts)) if parts else type(exc).__name__
+
+
+def _prevalidate(overrides: list[str]) -> None:
+    """Compose the config once before Hydra runs, so a mistake is one line and exit code 2."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    plain = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose(config_name="config", overrides=plain)
+            OmegaConf.to_object(cfg)  # type-checks every structured node
+    except Exception as exc:  # hydra/omegaconf raise many types; all are config errors here
+        fail(f"config: {_first_line(exc)}")
+    finally:
+        GlobalHydra.instance().clear()
+    from pipeline.stages import STAGES
+    if cfg.stage != "all" and cfg.stage not in STAGES:
+        fail(f"config: unknown stage {cfg.stage!r}; known: all, {', '.join(STAGES)}")
+
+
+def main() -> None:
+    register_configs()
+    args = sys.argv[1:]
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    flags = [a for a in args if a.startswith("-")]
+    if not multirun and not flags:
+        _prevalidate(args)
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Multi-head attention with explicit q/k/v/out projections, and head removal on it.
+
+``nn.MultiheadAttention`` packs q/k/v into one matrix and cannot hold fewer heads than
+``embed_dim / head_dim``; ModelOpt does not quantize its internals, ORT does not fuse it and the
+legacy ONNX exporter bakes its reshapes to traced shapes. :class:`ExplicitAttention` computes the
+same function with four ``nn.Linear`` layers whose inner width is ``num_heads * head_dim``, so a
+head is a slice of rows of q/k/v and of columns of out — the layout HF models (ViT, SigLIP,
+TrOCR) already use, which is why :func:`remove_heads_from_linears` serves both.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class ExplicitAttention(nn.Module):
+    """Drop-in for ``nn.MultiheadAttention(batch_first=True)`` in eval and training use."""
+
+    def __init__(self, embed_dim: int, num_heads: int, head_dim: int, dropout: float = 0.0,
+                 bias: bool = True):
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dropout = dropout
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(embed_dim, inner, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, inner, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, inner, bias=bias)
+        self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
+        # Optional per-head gate (1.0 = head on). Used for gradient-based head importance; a
+        # buffer, so it is saved with the model but is not trained.
+        self.register_buffer("head_mask", None, persistent=False)
+
+    @classmethod
+    def from_mha(cls, mha: nn.MultiheadAttention) -> "ExplicitAttention":
+        if not mha.batch_first:
+            raise ValueError("only batch_first MultiheadAttention is supported")
+        if not mha._qkv_same_embed_dim:
+            raise ValueError("MultiheadAttention with separate kdim/vdim is not supported")
+        e, h = mha.embed_dim, mha.num_heads
+        new = cls(e, h, e // h, dropout=mha.dropout, bias=mha.in_proj_bias is not None)
+        w = mha.in_proj_weight.detach()
+        with torch.no_grad():
+            new.q_proj.weight.copy_(w[:e]); new.k_proj.weight.copy_(w[e:2 * e]); new.v_proj.weight.copy_(w[2 * e:])
+            if mha.in_proj_bias is not None:
+                b = mha.in_proj_bias.detach()
+                new.q_proj.bias.copy_(b[:e]); new.k_proj.bias.copy_(b[e:2 * e]); new.v_proj.bias.copy_(b[2 * e:])
+            new.out_proj.weight.copy_(mha.out_proj.weight.detach())
+            if mha.out_proj.bias is not None:
+                new.out_proj.bias.copy_(mha.out_proj.bias.detach())
+        return new.to(mha.out_proj.weight.device, mha.out_proj.weight.dtype)
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, N, d]
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attn_mask: torch.Tensor | None = None, key_padding_mask: torch.Tensor | None = None,
+                need_weights: bool = False) -> tuple[torch.Tensor, None]:
+        """Same contract as MHA: boolean masks are True where attention is *not* allowed."""
+        if self.num_heads == 0:  # every head removed: the block contributes only the out bias
+            out = query.new_zeros(query.shape[:-1] + (self.embed_dim,))
+            return (out + self.out_proj.bias if self.out_proj.bias is not None else out), None
+        q = self._split(self.q_proj(query))
+        k = self._split(self.k_proj(key))
+        v = self._split(self.v_proj(value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        if attn_mask is not None:
+            scores = _apply_mask(scores, attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask)
+        if key_padding_mask is not None:
+            scores = _apply_mask(scores, key_padding_mask[:, None, None, :])
+        probs = F.softmax(scores, dim=-1)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, p=self.dropout)
+        ctx = torch.matmul(probs, v)  # [B, H, N, d]
+        if self.head_mask is not None:
+            ctx = ctx * self.head_mask.view(1, -1, 1, 1)
+        b, _, n, _ = ctx.shape
+        ctx = ctx.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
+        return self.out_proj(ctx), None
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(mask, float("-inf"))
+    return scores + mask
+
+
+def replace_mha(module: nn.Module) -> int:
+    """Replace every ``nn.MultiheadAttention`` below ``module`` by :class:`ExplicitAttention`."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.MultiheadAttention):
+            setattr(module, name, ExplicitAttention.from_mha(child))
+            count += 1
+        else:
+            count += replace_mha(child)
+    return count
+
+
+def head_slices(heads: Sequence[int], head_dim: int) -> torch.Tensor:
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads]) if heads \
+        else torch.zeros(0, dtype=torch.long)
+
+
+def remove_heads_from_linears(q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear,
+                              num_heads: int, head_dim: int, remove: Sequence[int]
+                              ) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear, list[int]]:
+    """Return q/k/v/out ``Linear``s without the heads in ``remove`` (rows of q/k/v, columns of out)."""
+    remove = sorted(set(int(h) for h in remove))
+    bad = [h for h in remove if not 0 <= h < num_heads]
+    if bad:
+        raise ValueError(f"head index out of range {bad} for {num_heads} heads")
+    keep = [h for h in range(num_heads) if h not in remove]
+    idx = head_slices(keep, head_dim)
+    return (_slice_linear(q, idx, dim=0), _slice_linear(k, idx, dim=0),
+            _slice_linear(v, idx, dim=0), _slice_linear(o, idx, dim=1), keep)
+
+
+def _slice_linear(lin: nn.Linear, idx: torch.Tensor, dim: int) -> nn.Linear:
+    w = lin.weight.detach().index_select(dim, idx.to(lin.weight.device))
+    out_f, in_f = w.shape
+    new = nn.Linear(in_f, out_f, bias=lin.bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if lin.bias is not None:
+            new.bias.copy_(lin.bias.detach().index_select(0, idx.to(w.device)) if dim == 0 else lin.bias.detach())
+    return new
+
+
+def remove_heads(attn: ExplicitAttention, remove: Sequence[int]) -> list[int]:
+    """Remove heads from an :class:`ExplicitAttention` in place; returns the kept original indices."""
+    attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, keep = remove_heads_from_linears(
+        attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, attn.num_heads, attn.head_dim, remove)
+    attn.num_heads = len(keep)
+    attn.head_mask = None
+    return keep

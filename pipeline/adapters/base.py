@@ -1,0 +1,199 @@
+"""The model adapter interface: everything a stage needs to know about a model family.
+
+Stages never test ``isinstance`` on model classes; they ask the adapter. One adapter per family
+(packed ``nn.MultiheadAttention``, HF q/k/v ``Linear``s, timm's fused ``qkv`` ...), registered by
+name and chosen with ``model.adapter``.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Iterable, Sequence
+
+import torch
+from PIL import Image
+from torch import nn
+
+from pipeline.errors import PipelineError
+
+_ADAPTERS: dict[str, type["ModelAdapter"]] = {}
+
+
+def register_adapter(name: str) -> Callable[[type["ModelAdapter"]], type["ModelAdapter"]]:
+    def deco(cls: type[ModelAdapter]) -> type[ModelAdapter]:
+        cls.family = name
+        _ADAPTERS[name] = cls
+        return cls
+    return deco
+
+
+def adapter_class(name: str) -> type["ModelAdapter"]:
+    _import_builtin_adapters()
+    if name not in _ADAPTERS:
+        raise PipelineError(f"unknown model adapter {name!r}; known: {sorted(_ADAPTERS)}")
+    return _ADAPTERS[name]
+
+
+def _import_builtin_adapters() -> None:
+    from pipeline.adapters import latex_ocr_junia  # noqa: F401  (registers itself)
+
+
+@dataclass
+class DecodeResult:
+    """Greedy decoding output plus where the time went."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    encoder_seconds: float = 0.0
+    decoder_seconds: float = 0.0
+    steps: list[int] = field(default_factory=list)  # decode steps per sample
+    hit_cap: list[bool] = field(default_factory=list)  # stopped by max_length, not by EOS
+
+
+class ModelAdapter(abc.ABC):
+    """One trained image -> LaTeX model, with the knowledge to run and reshape it."""
+
+    family: ClassVar[str] = ""
+    model: nn.Module
+
+    # ---- loading and saving -------------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def load(cls, source: str, trust_checkpoint: bool = False) -> "ModelAdapter":
+        """``source``: ``"package"`` for the shipped weights, or a folder written by :meth:`save`."""
+
+    @abc.abstractmethod
+    def save(self, folder: Path) -> None:
+        """Write safetensors weights plus a JSON config that :meth:`load` reads back."""
+
+    # ---- input ------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def input_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one preprocessed image."""
+
+    @abc.abstractmethod
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        """The inference preprocessing: any PIL image -> one model input tensor [C, H, W]."""
+
+    # ---- tokens -------------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def bos_id(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def eos_id(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def pad_id(self) -> int: ...
+
+    @abc.abstractmethod
+    def encode_text(self, latex: str) -> list[int]:
+        """Target token ids for ``latex``: BOS ... EOS (for training and teacher forcing)."""
+
+    @abc.abstractmethod
+    def decode_text(self, ids: Iterable[int]) -> str: ...
+
+    # ---- compute ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, C, H, W] -> encoder memory [B, N, D]."""
+
+    @abc.abstractmethod
+    def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        """Full-prefix decoder: tokens [B, T] and memory -> logits [B, T, V]."""
+
+    def banned_token_ids(self) -> list[int]:
+        return [self.pad_id, self.bos_id]
+
+    @torch.no_grad()
+    def generate(self, images: torch.Tensor, max_length: int, batch_size: int = 16,
+                 progress: Callable[[int], None] | None = None) -> DecodeResult:
+        """Greedy decoding in batches; finished rows leave the batch so they cost nothing.
+
+        ``max_length`` caps the sequence including BOS, as the package's own ``generate`` does.
+        """
+        self.model.eval()
+        all_ids: list[list[int]] = []
+        steps: list[int] = []
+        capped: list[bool] = []
+        enc_s = dec_s = 0.0
+        banned = torch.tensor(self.banned_token_ids(), dtype=torch.long)
+        for start in range(0, images.shape[0], batch_size):
+            batch = images[start:start + batch_size]
+            t0 = time.perf_counter()
+            memory = self.encode(batch)
+            t1 = time.perf_counter()
+            n = batch.shape[0]
+            seqs = torch.full((n, 1), self.bos_id, dtype=torch.long)
+            out: list[list[int] | None] = [None] * n
+            active = torch.arange(n)
+            for _ in range(max_length - 1):
+                logits = self.decode_logits(seqs, memory)[:, -1, :].float()
+                logits[:, banned] = float("-inf")
+                nxt = logits.argmax(-1)
+                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
+                done = nxt.eq(self.eos_id)
+                if done.any():
+                    for row in torch.nonzero(done).flatten().tolist():
+                        out[int(active[row])] = seqs[row, 1:].tolist()
+                    keep = ~done
+                    seqs, memory, active = seqs[keep], memory[keep], active[keep]
+                    if active.numel() == 0:
+                        break
+            for row, idx in enumerate(active.tolist()):  # stopped by the cap
+                out[idx] = seqs[row, 1:].tolist()
+            t2 = time.perf_counter()
+            enc_s += t1 - t0
+            dec_s += t2 - t1
+            for ids in out:
+                assert ids is not None
+                all_ids.append(ids)
+                steps.append(len(ids))
+                capped.append(not ids or ids[-1] != self.eos_id)
+            if progress is not None:
+                progress(n)
+        texts = [self.decode_text(ids) for ids in all_ids]
+        return DecodeResult(all_ids, texts, enc_s, dec_s, steps, capped)
+
+    # ---- structure (for pruning) --------------------------------------------------------------
+    @abc.abstractmethod
+    def encoder_head_counts(self) -> list[int]:
+        """Number of attention heads in each encoder layer, in order."""
+
+    @abc.abstractmethod
+    def encoder_attention(self, layer: int) -> nn.Module:
+        """The attention module of encoder layer ``layer`` (explicit q/k/v/out projections)."""
+
+    @abc.abstractmethod
+    def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
+        """Physically remove heads (original indices within the *current* layer) in place."""
+
+    def encoder_module(self) -> nn.Module:
+        """The image -> memory part, as a module (for FLOP counting and export)."""
+        adapter = self
+
+        class _Encoder(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = adapter.model
+
+            def forward(self, images: torch.Tensor) -> torch.Tensor:
+                return adapter.encode(images)
+
+        return _Encoder().eval()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def load_adapter(family: str, source: str, trust_checkpoint: bool = False) -> ModelAdapter:
+    return adapter_class(family).load(source, trust_checkpoint=trust_checkpoint)
+
+
+def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(tensors)) if tensors else torch.zeros(0)

@@ -1,0 +1,231 @@
+"""Adapter for the ``latex-ocr-junia`` package: ViT encoder + transformer decoder, char tokenizer.
+
+The package is a dependency from PyPI; its code and weights are never copied into this repo. At
+load time every ``nn.MultiheadAttention`` is rewritten as :class:`ExplicitAttention` (numerically
+the same function), which is what head removal, ModelOpt quantization and ONNX export need.
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
+from pipeline.adapters.base import ModelAdapter, register_adapter
+from pipeline.data.render import INK_THRESHOLD, crop_to_ink
+from pipeline.errors import PipelineError
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+CANVAS_MARGIN = 8  # px of white kept around the formula when it has to shrink
+
+
+def package_assets() -> Path:
+    try:
+        import latex_ocr_junia
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise PipelineError("the default model needs the 'latex-ocr-junia' package (pip install latex-ocr-junia)") from exc
+    return Path(latex_ocr_junia.__file__).resolve().parent / "assets"
+
+
+def safe_load_checkpoint(path: Path, trust: bool = False) -> Any:
+    """``torch.load`` restricted to tensors and plain containers unless the user trusts the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"checkpoint not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Weights only load failed" not in str(exc):
+            raise PipelineError(f"corrupt checkpoint {path}: {str(exc).splitlines()[0]}") from None
+        if not trust:
+            raise PipelineError(
+                f"checkpoint {path} needs more than tensors to load (it would run pickled code); "
+                "refusing. Set model.trust_checkpoint=true only if you trust where it came from") from None
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise PipelineError(f"corrupt checkpoint {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+
+def to_grey(image: Image.Image) -> Image.Image:
+    """Any PIL mode (RGB, RGBA, LA, P, 16-bit, float) -> 8-bit grey, transparency on white."""
+    if image.width == 0 or image.height == 0:
+        raise ValueError("image has zero size")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        arr = np.asarray(image, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scale = 65535.0 if image.mode.startswith("I;16") or hi > 255 else 255.0
+        if image.mode == "F" and hi <= 1.0:
+            scale = 1.0
+        arr = np.clip(arr / scale * 255.0, 0, 255)
+        return Image.fromarray(arr.astype(np.uint8), mode="L")
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        background.alpha_composite(image.convert("RGBA"))
+        image = background
+    return image.convert("L")
+
+
+def place_on_canvas(grey: Image.Image, height: int, width: int, margin: int = CANVAS_MARGIN) -> Image.Image:
+    """The training layout: ink crop centred on a white canvas, shrunk (never enlarged) to fit."""
+    arr = np.asarray(grey)
+    if arr.size and np.median(np.concatenate([arr[0], arr[-1], arr[:, 0], arr[:, -1]])) < 128:
+        grey = Image.fromarray(255 - arr)  # white ink on black: the model reads black on white
+    crop = crop_to_ink(grey, INK_THRESHOLD)
+    canvas = Image.new("L", (width, height), 255)
+    if crop is None:
+        return canvas
+    w, h = crop.size
+    scale = min(1.0, (width - 2 * margin) / w, (height - 2 * margin) / h)
+    if scale < 1.0:
+        crop = crop.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+        w, h = crop.size
+    canvas.paste(crop, ((width - w) // 2, (height - h) // 2))
+    return canvas
+
+
+@register_adapter("latex_ocr_junia")
+class LatexOcrJuniaAdapter(ModelAdapter):
+    def __init__(self, model: torch.nn.Module, model_config: Any, tokenizer: Any, tokenizer_path: Path):
+        self.model = model.eval()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.tokenizer_path = Path(tokenizer_path)
+
+    # ---- loading and saving -------------------------------------------------------------
+    @classmethod
+    def _build(cls, model_config: Any, encoder_heads: Sequence[int] | None = None) -> torch.nn.Module:
+        from latex_ocr_junia.model import build_model
+
+        model = build_model(model_config)
+        replace_mha(model)
+        head_dim = model_config.d_model // model_config.num_heads
+        for block, heads in zip(model.encoder_blocks, encoder_heads or []):
+            if heads != block.attn.num_heads:
+                block.attn = ExplicitAttention(model_config.d_model, heads, head_dim, dropout=model_config.dropout)
+        return model.eval()
+
+    @classmethod
+    def load(cls, source: str, trust_checkpoint: bool = False) -> "LatexOcrJuniaAdapter":
+        from latex_ocr_junia.tokenizer import LatexTokenizer
+        from latex_ocr_junia.utils import load_model_config
+
+        if source in ("package", "", None):
+            assets = package_assets()
+            model_config = load_model_config(assets / "model_config.json")
+            checkpoint = safe_load_checkpoint(assets / "best.pt", trust_checkpoint)
+            state = checkpoint.get("model_state_dict", checkpoint) if isinstance(checkpoint, dict) else None
+            if not isinstance(state, dict):
+                raise PipelineError(f"unsupported checkpoint layout in {assets / 'best.pt'}")
+            reference = build_model_reference(model_config)
+            try:
+                reference.load_state_dict(state)
+            except RuntimeError as exc:
+                raise PipelineError(f"checkpoint does not fit the model: {str(exc).splitlines()[0]}") from None
+            model = reference.eval()
+            replace_mha(model)
+            tokenizer_path = assets / "tokenizer.json"
+        else:
+            folder = Path(source)
+            if not (folder / CONFIG).is_file():
+                raise PipelineError(f"not a saved model folder (no {CONFIG}): {folder}")
+            try:
+                meta = json.loads((folder / CONFIG).read_text())
+                from latex_ocr_junia.model import ModelConfig
+                model_config = ModelConfig(**meta["model_config"])
+                model = cls._build(model_config, meta.get("encoder_heads"))
+                state = load_file(str(folder / WEIGHTS))
+                model.load_state_dict(state)
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise PipelineError(f"corrupt model config {folder / CONFIG}: {exc}") from None
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise PipelineError(f"corrupt model weights {folder / WEIGHTS}: {str(exc).splitlines()[0]}") from None
+            tokenizer_path = folder / TOKENIZER
+        tokenizer = LatexTokenizer.load(tokenizer_path)
+        return cls(model, model_config, tokenizer, tokenizer_path)
+
+    def save(self, folder: Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS), metadata={"family": self.family})
+        meta = {
+            "family": self.family,
+            "model_config": asdict(self.model_config),
+            "encoder_heads": self.encoder_head_counts(),
+            "head_dim": self.model_config.d_model // self.model_config.num_heads,
+            "tokenizer": TOKENIZER,
+        }
+        (folder / CONFIG).write_text(json.dumps(meta, indent=2))
+        shutil.copyfile(self.tokenizer_path, folder / TOKENIZER)
+
+    # ---- input ------------------------------------------------------------------------------
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return 1, self.model_config.image_height, self.model_config.image_width
+
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        canvas = place_on_canvas(to_grey(image), self.model_config.image_height, self.model_config.image_width)
+        return torch.from_numpy(np.asarray(canvas, dtype=np.float32) / 255.0)[None]
+
+    # ---- tokens -------------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> int:
+        return self.tokenizer.bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def encode_text(self, latex: str) -> list[int]:
+        return self.tokenizer.encode(latex, max_length=self.model_config.max_length)
+
+    def decode_text(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # ---- compute ------------------------------------------------------------------------------
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model.encode(images)
+
+    def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(tokens, memory)
+
+    # ---- structure ------------------------------------------------------------------------------
+    def encoder_head_counts(self) -> list[int]:
+        return [int(block.attn.num_heads) for block in self.model.encoder_blocks]
+
+    def encoder_attention(self, layer: int) -> ExplicitAttention:
+        return self.model.encoder_blocks[layer].attn
+
+    def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
+        for layer, remove in heads.items():
+            if remove:
+                remove_heads(self.encoder_attention(int(layer)), remove)
+
+
+def build_model_reference(model_config: Any) -> torch.nn.Module:
+    """The package's own model, unmodified (``nn.MultiheadAttention`` inside)."""
+    from latex_ocr_junia.model import build_model
+
+    return build_model(model_config).eval()

@@ -1,0 +1,164 @@
+"""Stage outputs: atomic folders with a manifest, reused when inputs and config are unchanged.
+
+A stage writes into ``<artifacts.dir>/.tmp-<name>-<random>/`` and the folder is renamed to
+``<artifacts.dir>/<name>/`` only after the stage returned, so an interrupted or failed run leaves
+the previous artifacts untouched. ``manifest.json`` records the resolved config, the input hashes,
+the sha256 of every output file, library versions and metrics.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline.errors import PipelineError
+
+MANIFEST = "manifest.json"
+TRACKED_LIBRARIES = (
+    "torch", "onnx", "onnxruntime", "onnxsim", "nvidia-modelopt", "datasets", "hydra-core",
+    "tokenizers", "transformers", "safetensors", "matplotlib", "numpy", "latex-ocr-junia",
+)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_dir(path: Path) -> str:
+    """Hash of a folder's files (names and contents), manifest excluded; stable across machines."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            h.update(str(p.relative_to(path)).encode())
+            h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+def sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in TRACKED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise PipelineError(f"no artifact at {folder} (missing {MANIFEST}); run its stage first")
+    return json.loads(path.read_text())
+
+
+@dataclass
+class StageOutput:
+    """What a stage fills while it runs inside :func:`stage_output`."""
+
+    path: Path
+    manifest: dict[str, Any]
+    reused: bool = False
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str, str],
+                 force: bool = False) -> Iterator[StageOutput]:
+    """Open ``root/name`` for writing, atomically; yields a reused output when nothing changed.
+
+    ``inputs`` maps an input's name to its hash; together with ``config`` it forms the key that
+    decides reuse. The caller checks ``out.reused`` and returns early when it is set.
+    """
+    root = Path(root)
+    final = root / name
+    key = sha256_json({"config": config, "inputs": inputs})
+    if not force and (final / MANIFEST).is_file():
+        old = json.loads((final / MANIFEST).read_text())
+        if old.get("key") == key and _outputs_intact(final, old):
+            yield StageOutput(path=final, manifest=old, reused=True, metrics=old.get("metrics", {}))
+            return
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    started = time.time()
+    out = StageOutput(path=tmp, manifest={})
+    try:
+        yield out
+        manifest = {
+            "stage": name,
+            "key": key,
+            "config": config,
+            "inputs": inputs,
+            "outputs": {str(p.relative_to(tmp)): sha256_file(p)
+                        for p in sorted(tmp.rglob("*")) if p.is_file()},
+            "libraries": library_versions(),
+            "metrics": out.metrics,
+            **out.extra,
+            "seconds": round(time.time() - started, 2),
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        _replace_dir(tmp, final)
+        out.path = final
+        out.manifest = manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _outputs_intact(folder: Path, manifest: dict[str, Any]) -> bool:
+    for rel in manifest.get("outputs", {}):
+        if not (folder / rel).is_file():
+            return False
+    return True
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Swap ``new`` into ``final``; the old folder is removed only once the new one is in place."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if old is not None:
+            os.replace(old, final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def atomic_write_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
+    """A temporary sibling folder renamed to ``final`` on success (for files outside a stage)."""
+
+    @contextlib.contextmanager
+    def _ctx() -> Iterator[Path]:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        try:
+            yield tmp
+            _replace_dir(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    return _ctx()

@@ -1,0 +1,86 @@
+"""Typed configuration: dataclasses held in Hydra's ConfigStore.
+
+The root schema is :class:`RootConfig`; each stage contributes its own dataclass under its key
+(``eval``, ``prune``, ``tokenizer`` ...), so a typo or a wrong type in an override fails at once
+with the key's name. Defaults live in the dataclasses; ``conf/`` selects groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from pipeline.stages import STAGES
+
+
+@dataclass
+class ArtifactsConfig:
+    dir: str = "artifacts"   # root of every stage's output folder
+    force: bool = False      # rerun a stage even when its inputs and config are unchanged
+
+
+@dataclass
+class ModelConfig:
+    adapter: str = "latex_ocr_junia"  # model family (pipeline/adapters/)
+    trust_checkpoint: bool = False    # allow a checkpoint that needs pickled code (never by default)
+    max_length: int = 160             # decode cap, BOS included; the same for every variant compared
+    batch_size: int = 16              # images per decode batch
+    threads: int = 0                  # torch intra-op threads; 0 = torch's default
+
+
+@dataclass
+class DataConfig:
+    kind: str = "corpus"              # corpus | image_folder | hf_disk
+    path: Optional[str] = None        # image folder or save_to_disk dataset (image_folder, hf_disk)
+    labels: Optional[str] = None      # labels file for an image folder: "<file>\t<latex>" lines
+    image_column: str = "image"       # hf_disk: column holding the images
+    text_column: Optional[str] = "latex"  # hf_disk: column holding the LaTeX, if any
+    # corpus: formulas from the docstrings of these pinned packages
+    corpus_packages: List[str] = field(default_factory=lambda: ["numpy", "scipy", "sympy", "torch"])
+    seed: int = 0                     # the corpus split seed
+    shares: Dict[str, float] = field(default_factory=lambda: {"train": 0.6, "calib": 0.2, "eval": 0.2})
+    min_chars: int = 3                # normalized length bounds
+    max_chars: int = 120
+    max_width_px: int = 496           # rendered at 32 px/em it must fit the canvas without shrinking
+    max_height_px: int = 112
+
+
+@dataclass
+class TargetConfig:
+    name: str = "ort_cpu"             # ort_cpu | tensorrt | metax
+    opset: int = 17
+    max_opset: Optional[int] = None   # a runtime's ceiling (metax: 17)
+    max_ir_version: Optional[int] = None
+    allow_contrib_ops: bool = True    # com.microsoft ops (ORT fusions)
+    fp16_weights: bool = False
+    fuse: bool = True                 # ORT transformer optimizer fusions
+    provider: str = "CPUExecutionProvider"
+    provider_options: Dict[str, Any] = field(default_factory=dict)
+
+
+def _root_fields() -> list[tuple[str, Any, Any]]:
+    fields: list[tuple[str, Any, Any]] = [
+        ("stage", str, field(default="evaluate")),
+        ("seed", int, field(default=0)),
+        ("progress", bool, field(default=True)),
+        ("artifacts", ArtifactsConfig, field(default_factory=ArtifactsConfig)),
+        ("model", ModelConfig, field(default_factory=ModelConfig)),
+        ("data", DataConfig, field(default_factory=DataConfig)),
+        ("target", TargetConfig, field(default_factory=TargetConfig)),
+        # stage=infer reads with an exported package alone
+        ("package", Optional[str], field(default=None)),
+        ("image", Optional[str], field(default=None)),
+    ]
+    for spec in STAGES.values():
+        if spec.config_cls is not None and spec.config_key not in {f[0] for f in fields}:
+            fields.append((spec.config_key, spec.config_cls, field(default_factory=spec.config_cls)))
+    return fields
+
+
+RootConfig = make_dataclass("RootConfig", _root_fields())
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="root_schema", node=RootConfig)

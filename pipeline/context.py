@@ -1,0 +1,122 @@
+"""What every stage gets: the resolved root config, the artifacts root, and shared services
+(loading a model by reference, the formula corpus, atomic stage outputs)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.adapters.base import ModelAdapter, load_adapter
+from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, stage_output
+from pipeline.data.corpus import Formula, build_corpus, read_jsonl, write_jsonl
+from pipeline.errors import PipelineError
+
+ORIGINAL = ("original", "package")
+MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
+
+
+@dataclass
+class StageContext:
+    cfg: DictConfig  # the whole resolved config (model, data, target, artifacts, seed, ...)
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return Path(self.cfg.artifacts.dir)
+
+    @property
+    def force(self) -> bool:
+        return bool(self.cfg.artifacts.force)
+
+    @property
+    def seed(self) -> int:
+        return int(self.cfg.seed)
+
+    @property
+    def progress(self) -> bool:
+        return bool(self.cfg.progress)
+
+    def section(self, key: str) -> dict[str, Any]:
+        return OmegaConf.to_container(self.cfg[key], resolve=True)  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def output(self, name: str, config: dict[str, Any], inputs: dict[str, str]) -> Iterator[StageOutput]:
+        with stage_output(self.artifacts_dir, name, config, inputs, force=self.force) as out:
+            yield out
+
+    # ---- models -----------------------------------------------------------------------------
+    def model_folder(self, ref: str) -> Path | None:
+        """``original`` -> None (the packaged weights); a stage name -> its model folder; else a path."""
+        if ref in ORIGINAL:
+            return None
+        by_stage = self.artifacts_dir / ref / MODEL_SUBDIR
+        if (by_stage / "config.json").is_file():
+            return by_stage
+        path = Path(ref)
+        if (path / "config.json").is_file():
+            return path
+        if (path / MODEL_SUBDIR / "config.json").is_file():
+            return path / MODEL_SUBDIR
+        raise PipelineError(f"no model {ref!r}: not 'original', not a stage with a model under "
+                            f"{self.artifacts_dir}, not a saved model folder")
+
+    def load_model(self, ref: str = "original") -> ModelAdapter:
+        folder = self.model_folder(ref)
+        return load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),
+                            trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
+
+    def model_hash(self, ref: str = "original") -> str:
+        folder = self.model_folder(ref)
+        if folder is None:
+            from importlib import metadata
+            return f"{self.cfg.model.adapter}:package:{metadata.version('latex-ocr-junia')}"
+        return sha256_dir(folder)
+
+    # ---- data -----------------------------------------------------------------------------------
+    def corpus(self) -> list[Formula]:
+        """The formula corpus (all splits), built once into ``<artifacts>/corpus`` and reused."""
+        data = self.cfg.data
+        config = {
+            "packages": list(data.corpus_packages),
+            "seed": int(data.seed),
+            "shares": dict(data.shares),
+            "min_chars": int(data.min_chars),
+            "max_chars": int(data.max_chars),
+            "max_width_px": int(data.max_width_px),
+            "max_height_px": int(data.max_height_px),
+        }
+        from importlib import metadata
+        inputs = {}
+        for p in config["packages"]:
+            try:
+                inputs[p] = metadata.version(p)
+            except metadata.PackageNotFoundError:
+                raise PipelineError(f"corpus package {p!r} is not installed") from None
+        with stage_output(self.artifacts_dir, "corpus", config, inputs, force=False) as out:
+            if not out.reused:
+                formulas = build_corpus(config["packages"], config["seed"], config["shares"],
+                                        config["min_chars"], config["max_chars"], config["max_width_px"],
+                                        config["max_height_px"], progress=self.progress)
+                if not formulas:
+                    raise PipelineError("the formula corpus is empty: no renderable formulas found")
+                write_jsonl(out.path / "formulas.jsonl", formulas)
+                out.metrics.update({s: sum(f.split == s for f in formulas) for s in ("train", "calib", "eval")})
+                out.metrics["total"] = len(formulas)
+        return read_jsonl(out.path / "formulas.jsonl")
+
+    def split(self, name: str) -> list[Formula]:
+        items = [f for f in self.corpus() if f.split == name]
+        if not items:
+            raise PipelineError(f"corpus split {name!r} is empty")
+        return items
+
+    def upstream(self, stage: str) -> dict[str, Any]:
+        """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""
+        return read_manifest(self.artifacts_dir / stage)
+
+
+def file_hash(path: str | Path) -> str:
+    p = Path(path)
+    return sha256_dir(p) if p.is_dir() else sha256_file(p)

@@ -1,0 +1,1 @@
+"""Formula data: the docstring corpus, templated formulas, and the mathtext renderer."""

@@ -1,0 +1,150 @@
+"""The formula corpus: real formulas from the docstrings of pinned scientific Python packages.
+
+Sources are the ``:math:`...``` roles and ``.. math::`` blocks in the string literals of the
+installed (pinned) packages' source files, read with ``ast`` (no module is imported or run). A
+formula is kept only where mathtext renders it; formulas are de-duplicated after normalization and
+split into disjoint train / calib / eval parts by a seeded hash, so a formula's split does not
+depend on what else is in the corpus.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+import warnings
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tqdm import tqdm
+
+from pipeline.data.render import RenderError, render_formula
+from pipeline.errors import PipelineError
+from pipeline.metrics import normalize
+
+SPLITS = ("train", "calib", "eval")
+_ROLE = re.compile(r":math:`([^`]+)`")
+_DIRECTIVE = re.compile(r"^([ \t]*)\.\. math::[ \t]*(.*)$", re.M)
+# Multi-line layouts mathtext cannot draw.
+_UNSUPPORTED = re.compile(r"\\\\|&|\\begin|\\end|\\label|\\tag|\\require|\\newcommand|\\def|\\eqref|\\ref\b|%")
+
+
+@dataclass(frozen=True)
+class Formula:
+    id: str          # sha1 of the normalized formula (first 12 hex)
+    latex: str       # as written in the docstring (first spelling seen)
+    normalized: str
+    split: str
+    source: str      # package/relative/path.py
+
+
+def iter_docstring_formulas(package: str) -> Iterator[tuple[str, str]]:
+    """(formula, source file) for each math role / directive in ``package``'s string literals."""
+    try:
+        dist = metadata.distribution(package)
+    except metadata.PackageNotFoundError:
+        raise PipelineError(f"corpus package {package!r} is not installed") from None
+    files = sorted(f for f in (dist.files or []) if str(f).endswith(".py"))
+    for rel in files:
+        path = Path(dist.locate_file(rel))
+        try:
+            text = path.read_text(encoding="utf-8")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                tree = ast.parse(text)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "math:" in node.value:
+                for formula in extract_math(node.value):
+                    yield formula, str(rel)
+
+
+def extract_math(doc: str) -> list[str]:
+    found = [m.group(1) for m in _ROLE.finditer(doc)]
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        m = _DIRECTIVE.match(line)
+        if not m:
+            continue
+        indent, inline = len(m.group(1).expandtabs()), m.group(2).strip()
+        if inline:
+            found.append(inline)
+            continue
+        block: list[str] = []
+        for nxt in lines[i + 1:]:
+            if nxt.strip() and len(nxt) - len(nxt.lstrip()) <= indent:
+                break
+            block.append(nxt.strip())
+        # each blank-line separated paragraph of a math block is one formula
+        para: list[str] = []
+        for b in block + [""]:
+            if b:
+                para.append(b)
+            elif para:
+                found.append(" ".join(para))
+                para = []
+    return [clean(f) for f in found if clean(f)]
+
+
+def clean(formula: str) -> str:
+    s = " ".join(formula.split())
+    return s.strip().strip(".,;").strip()
+
+
+def keep(latex: str, min_chars: int, max_chars: int) -> bool:
+    norm = normalize(latex)
+    if not (min_chars <= len(norm) <= max_chars) or _UNSUPPORTED.search(latex):
+        return False
+    return "math:" not in latex and ":" not in latex.split("\\")[0][:1]
+
+
+def assign_split(norm: str, seed: int, shares: dict[str, float]) -> str:
+    """Split from a seeded hash of the normalized text: stable, disjoint, order-independent."""
+    h = int(hashlib.sha256(f"{seed}:{norm}".encode()).hexdigest()[:12], 16) / float(16 ** 12)
+    acc = 0.0
+    for name in SPLITS:
+        acc += shares[name]
+        if h < acc:
+            return name
+    return SPLITS[-1]
+
+
+def build_corpus(packages: Iterable[str], seed: int, shares: dict[str, float], min_chars: int,
+                 max_chars: int, max_width_px: int, max_height_px: int, progress: bool = True) -> list[Formula]:
+    """Extract, filter (renderable, size), de-duplicate and split. Deterministic for pinned packages."""
+    total = sum(shares.get(s, 0.0) for s in SPLITS)
+    if abs(total - 1.0) > 1e-6:
+        raise PipelineError(f"data split shares must sum to 1, got {total}")
+    seen: dict[str, tuple[str, str]] = {}
+    for package in packages:
+        for latex, source in iter_docstring_formulas(package):
+            if not keep(latex, min_chars, max_chars):
+                continue
+            norm = normalize(latex)
+            if norm not in seen:
+                seen[norm] = (latex, f"{package}/{source}")
+    formulas: list[Formula] = []
+    for norm, (latex, source) in tqdm(sorted(seen.items()), desc="render-check corpus", disable=not progress):
+        try:
+            img = render_formula(latex)
+        except RenderError:
+            continue
+        if img.width > max_width_px or img.height > max_height_px:
+            continue  # would have to shrink below the scale the model reads
+        fid = hashlib.sha1(norm.encode()).hexdigest()[:12]
+        formulas.append(Formula(fid, latex, norm, assign_split(norm, seed, shares), source))
+    return formulas
+
+
+def write_jsonl(path: Path, formulas: Iterable[Formula]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for item in formulas:
+            f.write(json.dumps(asdict(item), ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[Formula]:
+    with open(path, encoding="utf-8") as f:
+        return [Formula(**json.loads(line)) for line in f if line.strip()]

@@ -1,0 +1,40 @@
+"""Markdown tables and PNG plots for stage reports (matplotlib, Agg backend, deterministic)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# No timestamps or software versions in PNG metadata: same data, same bytes.
+_PNG_META = {"Software": None}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def savefig(fig: "plt.Figure", path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata=_PNG_META)
+    plt.close(fig)
+
+
+def bar_plot(path: Path, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str,
+             annotations: Sequence[Any] | None = None) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bars = ax.bar(list(labels), list(values), color="#4477aa")
+    if annotations is not None:
+        for b, a in zip(bars, annotations):
+            ax.annotate(f"n={a}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(1.0, max(values, default=0) * 1.15))
+    savefig(fig, path)
