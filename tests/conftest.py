@@ -1,0 +1,63 @@
+"""Shared fixtures. The real model and the real corpus are built once per test session."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("MPLBACKEND", "Agg")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    """The resolved root config, as ``python -m pipeline`` would build it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from pipeline.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides or []))
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def make_ctx(artifacts_dir: Path, overrides: list[str] | None = None):
+    from pipeline.context import StageContext
+
+    return StageContext(compose_cfg([f"artifacts.dir={artifacts_dir}", "progress=false", *(overrides or [])]))
+
+
+def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m pipeline ARGS`` the way a user does; returns the finished process."""
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def real_adapter():
+    """The shipped latex-ocr-junia model, loaded safely (weights_only) and rewritten to explicit q/k/v."""
+    from pipeline.adapters import load_adapter
+
+    return load_adapter("latex_ocr_junia", "package")
+
+
+@pytest.fixture(scope="session")
+def corpus_root(tmp_path_factory) -> Path:
+    """An artifacts root holding the real corpus (built once: about a minute and a half)."""
+    root = tmp_path_factory.mktemp("artifacts")
+    make_ctx(root).corpus()
+    return root
+
+
+@pytest.fixture(scope="session")
+def corpus(corpus_root):
+    return make_ctx(corpus_root).corpus()
