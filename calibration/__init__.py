@@ -1,0 +1,1 @@
+"""Calibration data for quantization: set building (``sets``) and ORT's calibrators (``calibrators``)."""
