@@ -1,22 +1,412 @@
-"""Stage prune (not built yet)."""
+"""Stage prune: remove low-scored attention heads from the encoder, recover, and measure the cost.
+
+Heads are scored (``l2_qkv``, ``l2_qkvo``, ``random``, ``gradient``, ``ablation``), the lowest are
+removed globally (``prune.num_heads``, ``prune.ratio`` or ``prune.flops_reduction``, keeping
+``prune.min_heads_per_layer``), the q/k/v/out matrices are physically sliced, and the model is
+recovered by distillation from the original on rendered train-split formulas. The report compares
+original / pruned before recovery / after recovery / random heads at the same count.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import json
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
 
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pipeline.context import StageContext
+from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
+from pipeline.evaluation import EvalItem, evaluate_items
+from pipeline.pruning import count, recover, scores as head_scores, select
+from pipeline.pruning.heads import projections
+from pipeline.reports import markdown_table, savefig
 
 NAME = "prune"
 CONFIG_KEY = "prune"
-BUILT = False
+BUILT = True
 
 
 @dataclass
 class PruneConfig:
-    pass
+    model: str = "original"          # the model to prune: original | a stage with a model | a folder
+    criterion: str = "l2_qkv"        # l2_qkv | l2_qkvo | random | gradient | ablation
+    ratio: float = 0.25              # share of encoder heads removed ...
+    num_heads: Optional[int] = None  # ... or this many heads (wins over ratio) ...
+    flops_reduction: Optional[float] = None  # ... or the fewest heads cutting encoder FLOPs by this share
+    min_heads_per_layer: int = 1
+    normalize: str = "layer"         # layer | global: how scores compare across layers
+    score_images: int = 8            # rendered train formulas for gradient and ablation scores
+    recovery: bool = True            # distill the pruned model from the original
+    refit_images: int = 32           # train formulas for the closed-form output-projection refit
+    ridge: float = 1e-3              # refit regularization, relative to the mean feature energy
+    finetune_steps: int = 0          # gradient steps after the refit (labels + logits + encoder outputs)
+    finetune_minutes: float = 10.0   # wall-clock bound on those steps
+    finetune_batch: int = 4
+    finetune_images: int = 64        # train formulas the finetune cycles over
+    lr: float = 5e-5
+    iterations: int = 1              # prune in this many rounds, recovering after each
+    eval_limit: Optional[int] = 50   # eval-split formulas scored per variant (None = the whole split)
+    compare_random: bool = True      # also prune random heads (same count, same recovery)
+    latency_images: int = 4          # images timed at batch 1 for encoder latency
+    name: Optional[str] = None       # artifact folder; default "prune", or per-job in a multirun
 
 
 Config = PruneConfig
 
 
-def run(cfg: PruneConfig, ctx) -> dict:
-    raise PipelineError("stage 'prune' is not built yet")
+# ---- validation -------------------------------------------------------------------------------
+def _validate(cfg: PruneConfig) -> None:
+    if cfg.criterion not in head_scores.CRITERIA:
+        raise PipelineError(f"prune.criterion must be one of {', '.join(head_scores.CRITERIA)}, got {cfg.criterion!r}")
+    if cfg.normalize not in select.NORMALIZE:
+        raise PipelineError(f"prune.normalize must be one of {', '.join(select.NORMALIZE)}, got {cfg.normalize!r}")
+    if not 0.0 <= cfg.ratio < 1.0:
+        raise PipelineError(f"prune.ratio must be in [0, 1), got {cfg.ratio}")
+    if cfg.flops_reduction is not None and not 0.0 <= cfg.flops_reduction < 1.0:
+        raise PipelineError(f"prune.flops_reduction must be in [0, 1), got {cfg.flops_reduction}")
+    if cfg.num_heads is not None and cfg.num_heads < 0:
+        raise PipelineError(f"prune.num_heads must be >= 0, got {cfg.num_heads}")
+    if cfg.min_heads_per_layer < 1:
+        raise PipelineError(f"prune.min_heads_per_layer must be at least 1 (a layer without heads is not "
+                            f"attention any more), got {cfg.min_heads_per_layer}")
+    for key in ("score_images", "refit_images", "finetune_batch", "iterations", "latency_images"):
+        if getattr(cfg, key) < (0 if key == "latency_images" else 1):
+            raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0:
+        raise PipelineError("prune.finetune_steps and prune.finetune_minutes must be >= 0")
+    if cfg.eval_limit is not None and cfg.eval_limit <= 0:
+        raise PipelineError(f"prune.eval_limit must be positive, got {cfg.eval_limit}")
+    if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
+        raise PipelineError(f"prune.name must be a plain folder name, got {cfg.name!r}")
+
+
+def _attention_layers(adapter) -> list:
+    """The encoder's attention modules; one clear error when the adapter knows none."""
+    try:
+        counts = adapter.encoder_head_counts()
+        attns = [adapter.encoder_attention(i) for i in range(len(counts))]
+        for a in attns:
+            projections(a)
+    except (TypeError, AttributeError, NotImplementedError, IndexError) as exc:
+        raise PipelineError(f"the model has no encoder attention the '{adapter.family}' adapter can prune ({exc})") from None
+    if not counts or not any(counts):
+        raise PipelineError(f"the model has no encoder attention the '{adapter.family}' adapter can prune")
+    return attns
+
+
+def _artifact_name(cfg: PruneConfig) -> str:
+    if cfg.name:
+        return cfg.name
+    try:  # a multirun job gets its own folder, named by its overrides, so jobs never overwrite
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", hc.job.override_dirname.replace("prune.", "")) or str(hc.job.num)
+            return f"prune-{tag}"[:120]
+    except (ValueError, ImportError):  # not under Hydra (tests, library use)
+        pass
+    return "prune"
+
+
+# ---- data -------------------------------------------------------------------------------------
+def _render(adapter, formulas, limit: int, progress: bool, desc: str) -> tuple[torch.Tensor, list[str], list[str]]:
+    images, latex, ids = [], [], []
+    for f in tqdm(formulas, desc=desc, disable=not progress, total=min(limit, len(formulas))):
+        if len(images) >= limit:
+            break
+        try:
+            images.append(adapter.preprocess(render_formula(f.latex)))
+        except RenderError:
+            continue
+        latex.append(f.latex)
+        ids.append(f.id)
+    if not images:
+        raise PipelineError(f"no {desc} formula could be rendered")
+    return torch.stack(images), latex, ids
+
+
+def _train_pool(ctx: StageContext, seed: int) -> list:
+    train = ctx.split("train")
+    order = np.random.default_rng(seed).permutation(len(train))
+    return [train[i] for i in order]
+
+
+def _clone(adapter):
+    twin = copy.copy(adapter)
+    twin.model = copy.deepcopy(adapter.model)
+    return twin
+
+
+# ---- the stage --------------------------------------------------------------------------------
+def run(cfg: PruneConfig, ctx: StageContext) -> dict:
+    _validate(cfg)
+    mcfg = ctx.cfg.model
+    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
+    original = ctx.load_model(cfg.model)
+    attns = _attention_layers(original)
+    head_counts = original.encoder_head_counts()
+    total_heads = sum(head_counts)
+
+    flops_full = count.encoder_flops(original)
+    per_head = count.flops_per_head(original)
+    if cfg.flops_reduction is not None:
+        n_remove = select.heads_for_flops(cfg.flops_reduction, flops_full, per_head, head_counts,
+                                          cfg.min_heads_per_layer)
+    elif cfg.num_heads is not None:
+        n_remove = cfg.num_heads
+    else:
+        n_remove = select.heads_for_ratio(head_counts, cfg.ratio)
+    limit = select.removable(head_counts, cfg.min_heads_per_layer)
+    if n_remove > limit:
+        raise PipelineError(f"removing {n_remove} of {total_heads} heads would leave a layer with fewer than "
+                            f"prune.min_heads_per_layer={cfg.min_heads_per_layer} head(s); at most {limit} can go")
+
+    name = _artifact_name(cfg)
+    from pipeline.artifacts import sha256_json
+    corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
+    inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
+    config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
+              "max_length": max_length, "batch_size": batch_size}
+    all_scores = _head_scores(cfg, ctx, original, attns, inputs)
+
+    with ctx.output(name, config, inputs) as out:
+        if out.reused:
+            print(f"[prune] unchanged, reused {out.path}")
+            _print_summary(out.metrics)
+            return out.manifest
+        torch.manual_seed(ctx.seed)
+        chosen_scores = all_scores[cfg.criterion]
+        removed = select.select_heads(chosen_scores, n_remove, cfg.min_heads_per_layer, cfg.normalize)
+        random_removed = select.select_heads(all_scores["random"], n_remove, cfg.min_heads_per_layer, "global")
+
+        pool = _train_pool(ctx, ctx.seed)
+        fit_n = max(cfg.refit_images, cfg.finetune_images if cfg.finetune_steps else 0)
+        train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
+            if cfg.recovery and n_remove else (torch.zeros(0), [], [])
+        eval_items = _eval_items(cfg, ctx, original)
+
+        variants: dict[str, dict] = {}
+        variants["original"] = _measure(original, original, eval_items, cfg, ctx, "original")
+
+        pruned_raw = _clone(original)
+        pruned_raw.remove_encoder_heads(removed)
+        variants["pruned, before recovery"] = _measure(pruned_raw, original, eval_items, cfg, ctx, "pruned")
+
+        recovery_log: dict = {}
+        if cfg.recovery and n_remove:
+            pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
+                                        recovery_log)
+            variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
+        else:
+            pruned = pruned_raw
+        if cfg.compare_random and n_remove:
+            rnd_log: dict = {}
+            rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
+                                     train_latex, rnd_log) if cfg.recovery else _removed(original, random_removed)
+            label = "random heads, after recovery" if cfg.recovery else "random heads"
+            variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
+            recovery_log["random"] = rnd_log
+
+        pruned.save(out.path / "model")
+        reload_ok = _reload_identical(ctx, out.path / "model", pruned, eval_items)
+        if not reload_ok:
+            raise PipelineError("the saved pruned model does not reload with identical outputs")
+
+        correlations = {c: head_scores.spearman(_flat(all_scores[c]), _flat(all_scores["ablation"]))
+                        for c in head_scores.CRITERIA if c != "ablation"}
+        (out.path / "head_scores.json").write_text(json.dumps({
+            "criterion": cfg.criterion, "normalize": cfg.normalize, "head_counts": head_counts,
+            "scores": all_scores, "removed": {str(k): v for k, v in removed.items()},
+            "random_removed": {str(k): v for k, v in random_removed.items()},
+            "spearman_vs_ablation": correlations}, indent=2))
+        metrics = {
+            "criterion": cfg.criterion, "heads_removed": n_remove, "heads_total": total_heads,
+            "removed": {str(k): v for k, v in removed.items()},
+            "encoder_heads": pruned.encoder_head_counts(),
+            "flops_per_head": per_head, "spearman_vs_ablation": correlations,
+            "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
+            "eval_n": len(eval_items), "max_length": max_length,
+        }
+        final = variants.get("pruned, after recovery", variants["pruned, before recovery"])
+        metrics.update({
+            "exact_match": final["exact_match"], "cer": final["cer"],
+            "exact_match_original": variants["original"]["exact_match"],
+            "encoder_gflops": final["encoder_gflops"],
+            "encoder_gflops_original": variants["original"]["encoder_gflops"],
+            "flops_reduction": 1 - final["encoder_gflops"] / variants["original"]["encoder_gflops"],
+        })
+        out.metrics.update(metrics)
+        _write_report(out.path, cfg, metrics, all_scores, removed, head_counts)
+    _print_summary(out.metrics)
+    return out.manifest
+
+
+def _flat(s) -> list[float]:
+    return [float(v) for row in s for v in row]
+
+
+def _removed(adapter, heads):
+    twin = _clone(adapter)
+    twin.remove_encoder_heads(heads)
+    return twin
+
+
+def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
+                       images: torch.Tensor, latex: list[str], log: dict):
+    """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each."""
+    order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
+    rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
+              for i in range(cfg.iterations)]
+    student = _clone(original)
+    current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
+    log["rounds"] = []
+    for r, chunk in enumerate(rounds):
+        if not chunk:
+            continue
+        now: dict[int, list[int]] = {}
+        for _, l, h in chunk:  # original head index -> its position in the current layer
+            now.setdefault(l, []).append(current[l].index(h))
+        student.remove_encoder_heads(now)
+        for _, l, h in chunk:
+            current[l].remove(h)
+        first = min(now)
+        layers = list(range(first, len(current)))
+        entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
+        refit_n = min(cfg.refit_images, len(images))
+        t0 = time.process_time()
+        entry["refit"] = recover.refit(student, original, images[:refit_n], layers, ridge=cfg.ridge,
+                                       progress=ctx.progress)
+        entry["refit_cpu_seconds"] = time.process_time() - t0
+        t0 = time.process_time()
+        entry["finetune"] = recover.finetune(
+            student, original, images, latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
+            minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
+            seed=ctx.seed + r, progress=ctx.progress)
+        entry["finetune_cpu_seconds"] = time.process_time() - t0
+        log["rounds"].append(entry)
+    log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["finetune_cpu_seconds"] for e in log["rounds"]) / 60
+    return student
+
+
+def _share(total: int, r: int, rounds: int) -> int:
+    return total // rounds + (1 if r < total % rounds else 0)
+
+
+def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> list[EvalItem]:
+    formulas = ctx.split("eval")
+    limit = cfg.eval_limit or len(formulas)
+    images, latex, ids = _render(adapter, formulas, limit, ctx.progress, "render eval")
+    return [EvalItem(i, t, x) for i, t, x in zip(ids, latex, images)]
+
+
+def _measure(adapter, original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, desc: str) -> dict:
+    mcfg = ctx.cfg.model
+    result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
+                            progress=ctx.progress, desc=f"decode {desc}")["metrics"]
+    k = min(cfg.latency_images, len(items))
+    lat = count.encoder_latency_ms(adapter, torch.stack([it.image for it in items[:k]])) if k else float("nan")
+    return {
+        "params": count.parameters(adapter),
+        "attention_params": count.attention_parameters(adapter),
+        "encoder_gflops": count.encoder_flops(adapter) / 1e9,
+        "encoder_ms_batch1": lat,
+        "exact_match": result["exact_match"], "cer": result["cer"], "bleu": result["bleu"],
+        "hit_cap_share": result["hit_cap_share"],
+        "encoder_heads": adapter.encoder_head_counts(),
+    }
+
+
+@torch.no_grad()
+def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalItem]) -> bool:
+    again = ctx.load_model(str(folder))
+    x = torch.stack([it.image for it in items[:2]])
+    pruned.model.eval()
+    return again.encoder_head_counts() == pruned.encoder_head_counts() and \
+        torch.equal(again.encode(x), pruned.encode(x))
+
+
+# ---- head scores (cached: the sweep's jobs share them) -------------------------------------------
+def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: dict) -> dict:
+    config = {"score_images": cfg.score_images, "seed": ctx.seed}
+    with ctx.output("prune-head-scores", config, inputs) as out:
+        if out.reused:
+            return json.loads((out.path / "scores.json").read_text())
+        images, latex, _ = _render(adapter, _train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
+                                   "render scoring")
+        result = {
+            "l2_qkv": head_scores.l2_scores(attns),
+            "l2_qkvo": head_scores.l2_scores(attns, with_out=True),
+            "random": head_scores.random_scores(adapter.encoder_head_counts(), ctx.seed),
+            "gradient": head_scores.gradient_scores(adapter, attns, images, latex, progress=ctx.progress),
+        }
+        result["ablation"], base = head_scores.ablation_scores(adapter, attns, images, latex,
+                                                                progress=ctx.progress)
+        out.metrics["baseline_label_loss"] = base
+        (out.path / "scores.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _print_summary(m: dict) -> None:
+    print(f"[prune] {m['criterion']}: {m['heads_removed']}/{m['heads_total']} heads removed, encoder "
+          f"{m['encoder_gflops_original']:.2f} -> {m['encoder_gflops']:.2f} GFLOPs ({m['flops_reduction']:.1%} less), "
+          f"exact match {m['exact_match_original']:.3f} -> {m['exact_match']:.3f} (n={m['eval_n']})", flush=True)
+
+
+def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, removed: dict, head_counts) -> None:
+    import matplotlib.pyplot as plt
+
+    crits = [cfg.criterion] + (["ablation"] if cfg.criterion != "ablation" else [])
+    fig, axes = plt.subplots(1, len(crits), figsize=(4.2 * len(crits), 3.2), squeeze=False)
+    width = max(head_counts)
+    for ax, c in zip(axes[0], crits):
+        grid = np.full((len(head_counts), width), np.nan)
+        for l, row in enumerate(select.normalized(all_scores[c], cfg.normalize)):
+            grid[l, :len(row)] = row
+        im = ax.imshow(grid, cmap="viridis", aspect="auto")
+        for l, hs in removed.items():
+            for h in hs:
+                ax.text(h, l, "x", ha="center", va="center", color="red", fontsize=14, fontweight="bold")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(width))
+        ax.set_yticks(range(len(head_counts)))
+        ax.set_title(f"{c} ({cfg.normalize}-normalized)" + ("" if c != cfg.criterion else "\nx = removed"))
+        fig.colorbar(im, ax=ax)
+    savefig(fig, folder / "head_scores.png")
+
+    rows = []
+    for label, v in m["variants"].items():
+        rows.append([label, "/".join(map(str, v["encoder_heads"])), f"{v['params']:,}", f"{v['attention_params']:,}",
+                     f"{v['encoder_gflops']:.2f}", f"{v['encoder_ms_batch1']:.1f}", f"{v['exact_match']:.3f}",
+                     f"{v['cer']:.3f}", f"{v['hit_cap_share']:.2f}"])
+    table = markdown_table(["variant", "heads per layer", "params", "attention params", "encoder GFLOPs",
+                            "encoder ms (batch 1)", "exact match", "CER", "hit length cap"], rows)
+    corr = markdown_table(["criterion", "Spearman vs single-head ablation"],
+                          [[c, f"{v:.2f}"] for c, v in m["spearman_vs_ablation"].items()])
+    rec = m.get("recovery") or {}
+    rec_lines = "\n".join(
+        f"- round {i + 1}: removed {e['removed']}; refit relative error "
+        + ", ".join(f"L{l} {d['rel_error_before']:.2f}->{d['rel_error_after']:.2f}" for l, d in e["refit"].items())
+        + f"; finetune {e['finetune'].get('steps', 0)} step(s); CPU {e['refit_cpu_seconds'] + e['finetune_cpu_seconds']:.0f} s"
+        for i, e in enumerate(rec.get("rounds", [])))
+    (folder / "report.md").write_text(
+        f"# Prune\n\nCriterion `{cfg.criterion}` ({cfg.normalize}-normalized), {m['heads_removed']} of "
+        f"{m['heads_total']} encoder heads removed (at least {cfg.min_heads_per_layer} kept per layer): "
+        f"{m['removed']}. Encoder FLOPs per image at batch 1, `torch.utils.flop_counter`; one head costs "
+        f"{m['flops_per_head'] / 1e9:.3f} GFLOPs. Accuracy on the first {m['eval_n']} eval-split formulas, "
+        f"greedy decoding capped at {m['max_length']} tokens for every variant.\n\n{table}\n\n"
+        f"![head scores](head_scores.png)\n\n## Criteria against the ground truth\n\nGround truth: the increase of "
+        f"the teacher-forced label loss when one head alone is off ({cfg.score_images} rendered train formulas).\n\n"
+        f"{corr}\n\n## Recovery\n\n{rec_lines or 'none'}\n\nRecovery CPU minutes (pruned model): "
+        f"{rec.get('cpu_minutes', 0.0):.1f}. The saved model reloads with identical encoder outputs: "
+        f"{m['reload_identical']}.\n")

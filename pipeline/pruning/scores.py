@@ -1,0 +1,135 @@
+"""Head scores: higher means more important. Lowest-scored heads are removed first.
+
+* ``l2_qkv``: L2 norm of the head's rows of the q, k and v projection weights.
+* ``l2_qkvo``: the same plus the head's columns of the output projection.
+* ``random``: seeded uniform scores, the baseline every criterion must beat.
+* ``gradient``: Michel et al. (2019), "Are Sixteen Heads Really Better than One?": the absolute
+  gradient of the label loss with respect to a per-head gate, summed over rendered formulas.
+* ``ablation``: the ground truth: the increase of the teacher-forced label loss when that one
+  head alone is switched off.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from pipeline.pruning.heads import head_dim, head_gates, num_heads, projections
+
+CRITERIA = ("l2_qkv", "l2_qkvo", "random", "gradient", "ablation")
+
+
+def l2_scores(attns: Sequence[nn.Module], with_out: bool = False) -> list[list[float]]:
+    scores = []
+    for attn in attns:
+        q, k, v, o = projections(attn)
+        d, h = head_dim(attn), num_heads(attn)
+        layer = []
+        for i in range(h):
+            rows = slice(i * d, (i + 1) * d)
+            sq = sum(float(m.weight[rows].detach().double().pow(2).sum()) for m in (q, k, v))
+            if with_out:
+                sq += float(o.weight[:, rows].detach().double().pow(2).sum())
+            layer.append(sq ** 0.5)
+        scores.append(layer)
+    return scores
+
+
+def random_scores(head_counts: Sequence[int], seed: int) -> list[list[float]]:
+    rng = np.random.default_rng(seed)
+    return [rng.random(h).tolist() for h in head_counts]
+
+
+def label_batch(adapter, latex: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forcing inputs and targets (pad-filled) for formulas."""
+    ids = [adapter.encode_text(t) for t in latex]
+    width = max(len(x) for x in ids) - 1
+    inp = torch.full((len(ids), width), adapter.pad_id, dtype=torch.long)
+    tgt = torch.full((len(ids), width), adapter.pad_id, dtype=torch.long)
+    for r, x in enumerate(ids):
+        inp[r, :len(x) - 1] = torch.tensor(x[:-1])
+        tgt[r, :len(x) - 1] = torch.tensor(x[1:])
+    return inp, tgt
+
+
+def label_loss(adapter, images: torch.Tensor, inp: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = adapter.decode_logits(inp, adapter.encode(images))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1),
+                           ignore_index=adapter.pad_id)
+
+
+def _batches(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def gradient_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, latex: Sequence[str],
+                    batch_size: int = 4, progress: bool = False) -> list[list[float]]:
+    """|dL/dgate| per head, summed over batches (Michel et al.); the model's weights get no grad."""
+    model = adapter.model
+    was = model.training
+    model.eval()
+    req = [p.requires_grad for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gates = [torch.ones(num_heads(a), requires_grad=True) for a in attns]
+    total = [torch.zeros(num_heads(a)) for a in attns]
+    try:
+        with head_gates(attns, gates):
+            for sl in tqdm(_batches(len(images), batch_size), desc="head gradients", disable=not progress):
+                inp, tgt = label_batch(adapter, latex[sl])
+                loss = label_loss(adapter, images[sl], inp, tgt)
+                grads = torch.autograd.grad(loss, gates)
+                for t, g in zip(total, grads):
+                    t += g.abs()
+    finally:
+        for p, r in zip(model.parameters(), req):
+            p.requires_grad_(r)
+        model.train(was)
+    return [t.tolist() for t in total]
+
+
+@torch.no_grad()
+def ablation_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, latex: Sequence[str],
+                    batch_size: int = 8, progress: bool = False) -> tuple[list[list[float]], float]:
+    """Loss increase when one head alone is off; returns (scores, baseline loss)."""
+    adapter.model.eval()
+    batches = [(sl, *label_batch(adapter, latex[sl])) for sl in _batches(len(images), batch_size)]
+
+    def loss_with(gates) -> float:
+        with head_gates(attns, gates):
+            return float(sum(label_loss(adapter, images[sl], i, t) * (sl.stop - sl.start)
+                             for sl, i, t in batches)) / len(images)
+
+    ones = [torch.ones(num_heads(a)) for a in attns]
+    base = loss_with(ones)
+    scores = [[0.0] * num_heads(a) for a in attns]
+    total = sum(num_heads(a) for a in attns)
+    with tqdm(total=total, desc="single-head ablation", disable=not progress) as bar:
+        for layer, attn in enumerate(attns):
+            for h in range(num_heads(attn)):
+                gates = [g.clone() for g in ones]
+                gates[layer][h] = 0.0
+                scores[layer][h] = loss_with(gates) - base
+                bar.update(1)
+    return scores, base
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):  # ties share the mean rank
+            m = x == v
+            r[m] = r[m].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])

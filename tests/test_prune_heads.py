@@ -1,0 +1,196 @@
+"""Head removal is exact: MHA rewrite, slicing (ours and HF-style), scores, selection, FLOPs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.adapters.attention import ExplicitAttention, remove_heads
+from pipeline.errors import PipelineError
+from pipeline.pruning import count, scores, select
+from pipeline.pruning.heads import head_gates
+from test_prune_tiny import build_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny()
+
+
+def _gates(counts, off):
+    g = [torch.ones(h) for h in counts]
+    for layer, hs in off.items():
+        for h in hs:
+            g[layer][h] = 0.0
+    return g
+
+
+def test_mha_rewrite_is_numerically_equal_with_and_without_masks():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+        mha.out_proj.bias.normal_()
+    exp = ExplicitAttention.from_mha(mha).eval()
+    x, mem = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    pad = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with torch.no_grad():
+        for args, kw in [((x, x, x), {}), ((x, mem, mem), {}),
+                         ((x, x, x), {"attn_mask": causal, "key_padding_mask": pad})]:
+            ref, _ = mha(*args, need_weights=False, **kw)
+            got, _ = exp(*args, **kw)
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tiny_model_rewrite_equals_package_model(tiny):
+    from pipeline.adapters.latex_ocr_junia import build_model_reference
+
+    ref = build_model_reference(tiny.model_config)
+    ref.load_state_dict(tiny.reference_state)
+    x = torch.rand(2, *tiny.input_shape)
+    tokens = torch.tensor([[tiny.bos_id, 5, 6, 7], [tiny.bos_id, 8, 9, tiny.pad_id]])
+    with torch.no_grad():
+        torch.testing.assert_close(tiny.encode(x), ref.encode(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tiny.decode_logits(tokens, tiny.encode(x)), ref.decode(tokens, ref.encode(x)),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_sliced_attention_equals_original_with_heads_zeroed():
+    torch.manual_seed(1)
+    attn = ExplicitAttention(24, 6, 4).eval()
+    x = torch.randn(3, 9, 24)
+    with torch.no_grad(), head_gates([attn], _gates([6], {0: [1, 4]})):
+        want, _ = attn(x, x, x)
+    with torch.no_grad():
+        full, _ = attn(x, x, x)
+    keep = remove_heads(attn, [4, 1])
+    assert keep == [0, 2, 3, 5] and attn.num_heads == 4
+    assert attn.q_proj.weight.shape == (16, 24) and attn.out_proj.weight.shape == (24, 16)
+    with torch.no_grad():
+        got, _ = attn(x, x, x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(got, full, atol=1e-3)  # the removed heads did contribute
+
+
+def test_pruned_tiny_model_equals_gated_original(tiny):
+    import copy
+
+    pruned = copy.copy(tiny)
+    pruned.model = copy.deepcopy(tiny.model)
+    remove = {0: [0, 2], 1: [3]}
+    pruned.remove_encoder_heads(remove)
+    assert pruned.encoder_head_counts() == [2, 3]
+    x = torch.rand(2, *tiny.input_shape)
+    attns = [tiny.encoder_attention(i) for i in range(2)]
+    with torch.no_grad():
+        with head_gates(attns, _gates([4, 4], remove)):
+            want = tiny.encode(x)
+        torch.testing.assert_close(pruned.encode(x), want, atol=1e-5, rtol=1e-5)
+    assert count.encoder_flops(pruned) < count.encoder_flops(tiny)
+    # per head: q/k/v rows and biases (3 x (8 x 32 + 8)) and the output projection columns (32 x 8)
+    assert count.parameters(tiny) - count.parameters(pruned) == 3 * (3 * (8 * 32 + 8) + 32 * 8)
+
+
+@pytest.mark.parametrize("kind", ["vit", "siglip"])
+def test_hf_style_attention_pruning(kind):
+    from transformers import SiglipVisionConfig, ViTConfig
+
+    from pipeline.adapters.hf_vit import HFVisionEncoder
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  image_size=32, patch_size=8, num_channels=3)
+    config = ViTConfig(**common, attn_implementation="eager") if kind == "vit" \
+        else SiglipVisionConfig(**common, attn_implementation="eager")
+    enc = HFVisionEncoder.from_config(config)
+    assert enc.encoder_head_counts() == [4, 4]
+    before = count.encoder_flops(enc)
+    ref = HFVisionEncoder.from_config(config)
+    ref.model.load_state_dict(enc.model.state_dict())
+    x = torch.rand(2, 3, 32, 32)
+    remove = {0: [1], 1: [0, 3]}
+    with torch.no_grad():
+        with head_gates([ref.encoder_attention(i) for i in range(2)], _gates([4, 4], remove)):
+            want = ref.encode(x)
+        full = ref.encode(x)
+    enc.remove_encoder_heads(remove)
+    assert enc.encoder_head_counts() == [3, 2]
+    attn = enc.encoder_attention(1)
+    assert attn.q_proj.weight.shape == (16, 32)
+    with torch.no_grad():
+        got = enc.encode(x)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(got, full, atol=1e-4)
+    assert count.encoder_flops(enc) < before
+    # the same scoring code reads HF projections
+    l2 = scores.l2_scores([enc.encoder_attention(i) for i in range(2)])
+    assert [len(r) for r in l2] == [3, 2]
+
+
+def test_hf_encoder_without_attention_is_refused():
+    from pipeline.adapters.hf_vit import HFVisionEncoder
+
+    with pytest.raises(PipelineError, match="no HF-style attention"):
+        HFVisionEncoder(nn.Sequential(nn.Linear(4, 4)), image_size=4)
+
+
+def test_l2_scores_match_hand_computation():
+    attn = ExplicitAttention(4, 2, 2)
+    with torch.no_grad():
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj):
+            m.weight.zero_()
+        attn.q_proj.weight[0, 0] = 3.0   # head 0
+        attn.v_proj.weight[3, 1] = 4.0   # head 1
+        attn.out_proj.weight[2, 0] = 12.0  # head 0's output column
+    assert scores.l2_scores([attn]) == [[3.0, 4.0]]
+    assert scores.l2_scores([attn], with_out=True) == [[pytest.approx(153 ** 0.5), 4.0]]
+
+
+def test_selection_is_global_keeps_min_per_layer_and_normalizes():
+    s = [[0.1, 0.2, 0.3], [5.0, 6.0, 7.0]]
+    assert select.select_heads(s, 2, 1, "global") == {0: [0, 1]}
+    assert select.select_heads(s, 3, 1, "global") == {0: [0, 1], 1: [0]}
+    # per-layer normalization compares heads within their layer's scale
+    assert select.select_heads(s, 2, 1, "layer") == {0: [0], 1: [0]}
+    assert select.select_heads(s, 0, 1, "layer") == {}
+    with pytest.raises(PipelineError, match="at most 4 can go"):
+        select.select_heads(s, 5, 1, "global")
+    with pytest.raises(PipelineError, match="min_heads_per_layer"):
+        select.select_heads(s, 1, 0, "global")
+
+
+def test_ratio_and_flops_targets():
+    assert select.heads_for_ratio([8, 8, 8, 8], 0.25) == 8
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(PipelineError, match=r"prune.ratio must be in \[0, 1\)"):
+            select.heads_for_ratio([8, 8], bad)
+    assert select.heads_for_flops(0.3, 100.0, 2.0, [8, 8, 8, 8], 1) == 15
+    with pytest.raises(PipelineError, match="at most"):
+        select.heads_for_flops(0.8, 100.0, 2.0, [8, 8, 8, 8], 1)
+
+
+def test_spearman():
+    assert scores.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert scores.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_refit_reduces_attention_error(tiny):
+    import copy
+
+    from pipeline.pruning import recover
+
+    pruned = copy.copy(tiny)
+    pruned.model = copy.deepcopy(tiny.model)
+    pruned.remove_encoder_heads({0: [1, 2]})
+    x = torch.rand(6, *tiny.input_shape)
+    report = recover.refit(pruned, tiny, x, [0, 1], ridge=1e-4, batch_size=3)
+    assert report[0]["rel_error_after"] < report[0]["rel_error_before"]
+    with torch.no_grad():
+        after = (pruned.encode(x) - tiny.encode(x)).norm()
+    raw = copy.copy(tiny)
+    raw.model = copy.deepcopy(tiny.model)
+    raw.remove_encoder_heads({0: [1, 2]})
+    with torch.no_grad():
+        before = (raw.encode(x) - tiny.encode(x)).norm()
+    assert after < before
