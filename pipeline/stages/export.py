@@ -1,22 +1,182 @@
-"""Stage export (not built yet)."""
+"""Stage export: an ONNX package per target (encoder + KV-cached decoder), validated and parity-checked.
+
+``python -m pipeline stage=export target=<ort_cpu|tensorrt|metax>`` writes
+``<artifacts>/export-<target>/``: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx``,
+``tokenizer.json``, ``preprocess.json``, ``package.json``, ``provider_options.json``, the parity
+report, and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt`` imports).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
 
+import torch
+from tqdm import tqdm
+
+from pipeline.context import StageContext, file_hash
+from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
+from pipeline.export import tensorrt as trt_build
+from pipeline.export.package import build_graphs, write_package
+from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
+from pipeline.export.report import write_report
+from pipeline.export.runtime import OnnxPackage
+from pipeline.export.targets import resolve_target
 
 NAME = "export"
 CONFIG_KEY = "export"
-BUILT = False
+
+# parity tolerances by the least precise graph in the package (export.min_* override them)
+TOLERANCES = {
+    "fp32": {"min_cosine": 0.9999, "min_snr_db": 40.0, "min_identical": 0.95},
+    "fp16": {"min_cosine": 0.999, "min_snr_db": 25.0, "min_identical": 0.9},
+    "int8": {"min_cosine": 0.98, "min_snr_db": 12.0, "min_identical": 0.6},
+}
 
 
 @dataclass
 class ExportConfig:
-    pass
+    model: str = "original"              # original | a stage with a model (prune, ...) | a model folder
+    name: Optional[str] = None           # package folder under artifacts; default export-<target>
+    qdq_encoder: Optional[str] = None    # a QDQ encoder ONNX (images -> memory) used instead of the float one
+    simplify: bool = True                # onnxsim on the float graphs
+    formulas: Optional[str] = None       # parity formulas from a file (one per line) instead of calib/eval
+    parity_images: int = 8               # calibration images for the tensor parity
+    parity_limit: Optional[int] = 64     # eval formulas greedily decoded by torch and ONNX; null = whole split
+    min_cosine: Optional[float] = None   # tolerances; null = the default for the package's precision
+    min_snr_db: Optional[float] = None
+    min_identical: Optional[float] = None  # share of formulas with identical greedy tokens
+    trt_max_batch: int = 16              # TensorRT profile: batch 1 .. trt_max_batch
+    trt_opt_length: int = 48             # TensorRT profile: optimal decoded length
+    trt_build: bool = True               # build engines where tensorrt imports
 
 
 Config = ExportConfig
 
 
-def run(cfg: ExportConfig, ctx) -> dict:
-    raise PipelineError("stage 'export' is not built yet")
+def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[str, str]]:
+    """(id, latex) pairs for the tensor parity (calib) and the token parity (eval), and their hash."""
+    if cfg.formulas:
+        path = Path(cfg.formulas)
+        if not path.is_file():
+            raise PipelineError(f"export.formulas: no such file {path}")
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        pairs = [(f"line{i + 1}", ln) for i, ln in enumerate(lines)]
+        if not pairs:
+            raise PipelineError(f"export.formulas: {path} holds no formula")
+        return pairs, pairs, {"formulas": file_hash(path)}
+    calib = [(f.id, f.latex) for f in ctx.split("calib")]
+    evals = [(f.id, f.latex) for f in ctx.split("eval")]
+    return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+
+
+def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
+    items = []
+    for fid, latex in tqdm(pairs, desc=desc, disable=not progress):
+        if limit is not None and len(items) >= limit:
+            break
+        try:
+            items.append((fid, latex, adapter.preprocess(render_formula(latex))))
+        except RenderError:
+            continue
+    return items
+
+
+def run(cfg: ExportConfig, ctx: StageContext) -> dict:
+    target = resolve_target(ctx.cfg.target)
+    if cfg.parity_images < 1:
+        raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
+    if cfg.parity_limit is not None and cfg.parity_limit < 1:
+        raise PipelineError(f"export.parity_limit must be >= 1 or null, got {cfg.parity_limit}")
+    mcfg = ctx.cfg.model
+    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
+    name = cfg.name or f"export-{target.name}"
+    qdq_path = Path(cfg.qdq_encoder) if cfg.qdq_encoder else None
+    adapter = ctx.load_model(cfg.model)
+    calib, evals, inputs = _formulas(cfg, ctx)
+    inputs["model"] = ctx.model_hash(cfg.model)
+    if qdq_path is not None:
+        if not qdq_path.is_file():
+            raise PipelineError(f"export.qdq_encoder: no such file {qdq_path}")
+        inputs["qdq_encoder"] = file_hash(qdq_path)
+    config = {**asdict(cfg), "target": ctx.section("target"), "max_length": max_length, "batch_size": batch_size}
+    with ctx.output(name, config, inputs) as out:
+        if out.reused:
+            print(f"[export] unchanged, reused {out.path}")
+            _print_summary(out.metrics)
+            return out.manifest
+        bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
+        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update())
+        bar.close()
+        if built.violations:
+            shown = "; ".join(str(v) for v in built.violations[:5])
+            more = f" (+{len(built.violations) - 5} more)" if len(built.violations) > 5 else ""
+            raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
+        meta = write_package(out.path, adapter, built, target, max_length)
+
+        engines = _tensorrt(cfg, out.path, meta, built) if target.name == "tensorrt" else None
+
+        # parity on ONNX Runtime CPU, the reference runtime for every target
+        package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")
+        calib_items = _render(adapter, calib, cfg.parity_images, ctx.progress, "render calib")
+        eval_items = _render(adapter, evals, cfg.parity_limit, ctx.progress, "render eval")
+        if not calib_items or not eval_items:
+            raise PipelineError("no parity formula could be rendered")
+        truth_ids = [adapter.encode_text(latex)[:max_length] for _, latex, _ in calib_items]
+        tensors = tensor_parity(adapter, package, torch.stack([x[2] for x in calib_items]), truth_ids)
+        tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
+                              [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
+                              progress=ctx.progress)
+        level = "int8" if any("int8" in p for p in meta["precision"].values()) else \
+            ("fp16" if any("fp16" in p for p in meta["precision"].values()) else "fp32")
+        tol = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else v) for k, v in TOLERANCES[level].items()}
+        failures = check_tolerances(tensors, tokens, **tol)
+        eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
+        metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tensors": tensors,
+                   "tokens": tokens.as_dict(), "eval_source": eval_source,
+                   "parity_limit": cfg.parity_limit, "eval_available": len(evals), "max_length": max_length,
+                   "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
+                   "tensorrt": engines}
+        (out.path / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        with open(out.path / "parity_rows.jsonl", "w", encoding="utf-8") as f:
+            for row in tokens.rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        write_report(out.path, meta, built.histograms, metrics, tokens.rows, failures)
+        if failures:
+            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+        out.metrics.update(metrics)
+    _print_summary(metrics)
+    return out.manifest
+
+
+def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
+    from pipeline.export.onnx_graphs import has_qdq
+
+    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length)
+    lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
+    for g, m in built.models.items():
+        lines.append(trt_build.trtexec_command(f"{g}.onnx", f"{g}.plan", shapes[g], int8=has_qdq(m)))
+    (folder / "build_engines.sh").write_text("\n".join(lines) + "\n")
+    (folder / "tensorrt_profiles.json").write_text(json.dumps(shapes, indent=2) + "\n")
+    if not trt_build.tensorrt_available():
+        print("[export] tensorrt is not installed here: engines not built; run build_engines.sh "
+              "(trtexec) on a machine with TensorRT", flush=True)
+        return {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
+    if not cfg.trt_build:
+        return {"built": False, "reason": "export.trt_build=false", "commands": "build_engines.sh"}
+    results = {}
+    for g, m in built.models.items():
+        results[g] = trt_build.build_engine(folder / f"{g}.onnx", folder / f"{g}.plan", shapes[g], has_qdq(m),
+                                            folder / "timing.cache", folder / f"{g}.build.log")
+    return {"built": True, "engines": results, "commands": "build_engines.sh"}
+
+
+def _print_summary(m: dict) -> None:
+    t = m["tokens"]
+    worst_cos = min(s["cosine"] for s in m["tensors"].values())
+    worst_snr = min(s["snr_db"] for s in m["tensors"].values())
+    print(f"[export] {m['target']}: identical greedy tokens {t['identical']:.3f} of {t['n']} "
+          f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
+          f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB", flush=True)

@@ -1,0 +1,161 @@
+"""torch -> ONNX for the three graphs, and the graph transforms every target picks from
+(onnxsim simplification, ONNX Runtime transformer fusions, FP16 weights, IR version clamp)."""
+from __future__ import annotations
+
+import collections
+import io
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from onnx import helper
+
+from pipeline.errors import PipelineError
+from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, EncoderGraph, io_names
+
+GRAPHS = ("encoder", "decoder_first", "decoder_step")
+QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
+
+
+def graph_io(num_layers: int) -> dict[str, dict[str, list[str]]]:
+    """Input and output names of each graph (the runner and the TensorRT profiles read these)."""
+    n = io_names(num_layers)
+    return {
+        "encoder": {"inputs": ["images"], "outputs": ["memory"]},
+        "decoder_first": {"inputs": ["input_ids", "memory"], "outputs": ["logits", *n["present"], *n["cross"]]},
+        "decoder_step": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
+    }
+
+
+def _to_model(module: torch.nn.Module, args: tuple, names: dict[str, list[str]], dynamic: dict, opset: int
+              ) -> onnx.ModelProto:
+    buf = io.BytesIO()
+    module.eval()  # a fresh wrapper is in train mode: dropout on
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # the TorchScript exporter with dynamic_axes writes opset 17 directly (no down-conversion)
+        torch.onnx.export(module, args, buf, dynamo=False, opset_version=opset, do_constant_folding=True,
+                          input_names=names["inputs"], output_names=names["outputs"], dynamic_axes=dynamic)
+    return onnx.load_from_string(buf.getvalue())
+
+
+def export_graphs(model: torch.nn.Module, input_shape: tuple[int, int, int], opset: int) -> dict[str, onnx.ModelProto]:
+    """Encoder, decoder first step and decoder step with past K/V; dynamic batch and sequence axes."""
+    model = model.eval()
+    nl = len(model.decoder_blocks)
+    io = graph_io(nl)
+    n = io_names(nl)
+    images = torch.rand(2, *input_shape)
+    with torch.no_grad():
+        memory = model.encode(images)
+    graphs = {"encoder": _to_model(EncoderGraph(model), (images,), io["encoder"],
+                                   {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
+    first = DecoderFirstGraph(model).eval()
+    ids = torch.tensor([[1, 5, 6], [1, 7, 7]], dtype=torch.long)
+    dyn = {"input_ids": {0: "batch", 1: "seq"}, "memory": {0: "batch", 1: "mem_len"}, "logits": {0: "batch"}}
+    dyn.update({k: {0: "batch", 2: "seq"} for k in n["present"]})
+    dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
+    graphs["decoder_first"] = _to_model(first, (ids, memory), io["decoder_first"], dyn, opset)
+    with torch.no_grad():
+        kv = first(ids, memory)[1:]
+    dyn = {"input_ids": {0: "batch"}, "logits": {0: "batch"}}
+    dyn.update({k: {0: "batch", 2: "past_len"} for k in n["past"]})
+    dyn.update({k: {0: "batch", 2: "total_len"} for k in n["present"]})
+    dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
+    step_ids = torch.tensor([[9], [10]], dtype=torch.long)
+    graphs["decoder_step"] = _to_model(DecoderStepGraph(model), (step_ids, *kv), io["decoder_step"], dyn, opset)
+    return graphs
+
+
+def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+    """Op types with their counts; contrib ops carry their domain (``com.microsoft.Attention``)."""
+    c = collections.Counter((f"{n.domain}." if n.domain not in ("", "ai.onnx") else "") + n.op_type
+                            for n in model.graph.node)
+    return dict(sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def has_qdq(model: onnx.ModelProto) -> bool:
+    return any(n.op_type in QDQ_OPS for n in model.graph.node)
+
+
+def simplify(model: onnx.ModelProto, graph: str) -> onnx.ModelProto:
+    import onnxsim
+
+    try:
+        simplified, ok = onnxsim.simplify(model)
+    except Exception as exc:  # onnxsim raises plain RuntimeErrors from C++
+        raise PipelineError(f"{graph}: onnxsim failed: {str(exc).splitlines()[0]}") from None
+    if not ok:
+        raise PipelineError(f"{graph}: onnxsim could not check the simplified graph")
+    return simplified
+
+
+def fuse_transformer(model: onnx.ModelProto, num_heads: int, hidden_size: int, workdir: Path, graph: str
+                     ) -> onnx.ModelProto:
+    """ONNX Runtime's transformer optimizer, offline fusions only (opt_level 0): the graph stays
+    loadable by any ORT with contrib ops and the session still applies its own level on top."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    path = workdir / f"{graph}.pre_fuse.onnx"
+    onnx.save(model, path)
+    import logging
+
+    logging.disable(logging.INFO)  # the optimizer logs every fusion at INFO; the report lists them
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = optimize_model(str(path), model_type="bert", num_heads=num_heads, hidden_size=hidden_size,
+                                 opt_level=0)
+    finally:
+        logging.disable(logging.NOTSET)
+    opt.topological_sort()
+    model = opt.model
+    if any(n.domain == "com.microsoft" for n in model.graph.node) and \
+            not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+def _isolate_outputs(model: onnx.ModelProto) -> None:
+    """A graph output also read inside the graph gets its own Identity, so the FP16 converter can
+    put a Cast on the output without retyping the internal edge (onnxconverter-common's bug)."""
+    outs = {o.name for o in model.graph.output}
+    extra = []
+    for node in model.graph.node:
+        for j, name in enumerate(node.output):
+            if name in outs:
+                node.output[j] = f"{name}__value"
+                extra.append(helper.make_node("Identity", [f"{name}__value"], [name], name=f"{name}/output"))
+    renamed = {e.input[0][: -len("__value")]: e.input[0] for e in extra}
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in renamed:
+                node.input[k] = renamed[name]
+    model.graph.node.extend(extra)
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """FP16 weights and compute; graph inputs and outputs stay float32; Q/DQ stay float32 (opset
+    17 DequantizeLinear takes float scales only)."""
+    from onnxconverter_common import float16
+
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    del model.graph.value_info[:]  # stale float32 shape info makes the converter mistype edges
+    _isolate_outputs(model)
+    block = list(float16.DEFAULT_OP_BLOCK_LIST) + list(QDQ_OPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float16.convert_float_to_float16(model, keep_io_types=True, op_block_list=block)
+
+
+def clamp_ir_version(model: onnx.ModelProto, max_ir: int | None) -> None:
+    if max_ir is not None and model.ir_version > max_ir:
+        model.ir_version = max_ir
+
+
+def check(model: onnx.ModelProto, graph: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        raise PipelineError(f"{graph}: invalid ONNX graph: {str(exc).splitlines()[0]}") from None

@@ -1,0 +1,133 @@
+"""Build an exported package folder: graphs per target, metadata, tokenizer, preprocessing."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import onnx
+import torch
+
+from pipeline.errors import PipelineError
+from pipeline.export import onnx_graphs as og
+from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
+from pipeline.export.targets import Target
+from pipeline.export.validator import Violation, validate
+
+
+def preprocess_spec(adapter) -> dict[str, Any]:
+    """What the runner needs to preprocess an image without the model package.
+
+    Model specific: belongs in the adapter interface (asked of the lead); kept here until then.
+    """
+    if adapter.family != "latex_ocr_junia":
+        raise PipelineError(f"no preprocessing spec for model family {adapter.family!r}")
+    from pipeline.adapters.latex_ocr_junia import CANVAS_MARGIN
+    from pipeline.data.render import INK_THRESHOLD
+
+    c, h, w = adapter.input_shape
+    return {"kind": "latex_ocr_junia.canvas", "channels": c, "height": h, "width": w, "margin": CANVAS_MARGIN,
+            "ink_threshold": INK_THRESHOLD, "scale": 255.0, "grey": True, "invert_dark_background": True,
+            "note": "any image -> 8-bit grey (transparency on white) -> ink crop centred on a white "
+                    "height x width canvas, shrunk never enlarged, margin px kept -> float32 / scale, [C, H, W]"}
+
+
+@dataclass
+class BuiltGraphs:
+    models: dict[str, onnx.ModelProto]
+    histograms: dict[str, dict[str, dict[str, int]]]  # graph -> phase -> op histogram
+    precision: dict[str, str]
+    violations: list[Violation] = field(default_factory=list)
+
+
+def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress) -> BuiltGraphs:
+    model = adapter.model.eval()
+    raw = og.export_graphs(model, adapter.input_shape, target.opset)
+    progress("exported")
+    hist: dict[str, dict[str, dict[str, int]]] = {g: {"exported": og.op_histogram(m)} for g, m in raw.items()}
+    precision = {g: ("fp16" if target.fp16_weights else "fp32") for g in raw}
+    if qdq_encoder is not None:
+        raw["encoder"] = load_qdq_encoder(qdq_encoder, raw["encoder"])
+        hist["encoder"] = {"qdq input": og.op_histogram(raw["encoder"])}
+        precision["encoder"] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
+    heads = sorted({int(b.self_attn.num_heads) for b in model.decoder_blocks}
+                   | {int(b.attn.num_heads) for b in model.encoder_blocks}) if hasattr(model, "encoder_blocks") else []
+    hidden = int(adapter.model_config.d_model) if hasattr(adapter, "model_config") else 0
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="fuse-") as tmp:
+        for g, m in raw.items():
+            qdq = og.has_qdq(m)
+            # onnxsim and ORT's fusions would constant-fold DequantizeLinear(weights) back to float
+            if simplify and not qdq:
+                m = og.simplify(m, g)
+                hist[g]["simplified"] = og.op_histogram(m)
+            if target.fuse and not qdq:
+                m = og.fuse_transformer(m, heads[0] if len(heads) == 1 else 0, hidden, Path(tmp), g)
+                hist[g]["fused"] = og.op_histogram(m)
+            if target.fp16_weights:
+                m = og.to_fp16(m)
+                hist[g]["fp16"] = og.op_histogram(m)
+            og.clamp_ir_version(m, target.rules.max_ir_version)
+            og.check(m, g)
+            out[g] = m
+            progress(g)
+    violations = [v for g, m in out.items() for v in validate(m, target.rules, g)]
+    return BuiltGraphs(out, hist, precision, violations)
+
+
+def load_qdq_encoder(path: Path, exported: onnx.ModelProto) -> onnx.ModelProto:
+    if not path.is_file():
+        raise PipelineError(f"export.qdq_encoder: no such file {path}")
+    try:
+        m = onnx.load(str(path))
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise PipelineError(f"export.qdq_encoder: {path} is not an ONNX model ({type(exc).__name__})") from None
+    if not og.has_qdq(m):
+        raise PipelineError(f"export.qdq_encoder: {path} has no QuantizeLinear/DequantizeLinear nodes")
+    want_in = [i.name for i in exported.graph.input]
+    want_out = [o.name for o in exported.graph.output]
+    got_in = [i.name for i in m.graph.input if i.name not in {t.name for t in m.graph.initializer}]
+    got_out = [o.name for o in m.graph.output]
+    if got_in != want_in or got_out != want_out:
+        raise PipelineError(f"export.qdq_encoder: {path} has inputs {got_in} / outputs {got_out}; "
+                            f"the encoder needs {want_in} -> {want_out}")
+    return m
+
+
+def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int) -> dict[str, Any]:
+    """The files a deployment engineer ships; returns ``package.json``'s content."""
+    model = adapter.model
+    nl = len(model.decoder_blocks)
+    with torch.no_grad():
+        memory = adapter.encode(torch.zeros(1, *adapter.input_shape))
+    self_attn = model.decoder_blocks[0].self_attn
+    graphs = {}
+    for g, m in built.models.items():
+        onnx.save(m, str(folder / f"{g}.onnx"))
+        graphs[g] = f"{g}.onnx"
+    shutil.copyfile(adapter.tokenizer_path, folder / TOKENIZER)
+    (folder / PREPROCESS).write_text(json.dumps(preprocess_spec(adapter), indent=2) + "\n")
+    meta = {
+        "format": "formula-compress onnx package v1",
+        "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
+        "graphs": graphs, "io": og.graph_io(nl), "precision": built.precision,
+        "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
+        "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
+        "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
+        "num_layers": nl, "num_heads": int(self_attn.num_heads), "head_dim": int(self_attn.head_dim),
+        "hidden_size": int(memory.shape[-1]), "memory_length": int(memory.shape[1]),
+        "input_shape": list(adapter.input_shape), "model_family": adapter.family,
+        "decoding": "greedy; decoder_first(BOS, memory) then decoder_step per token with the present K/V fed "
+                    "back as past; pad and BOS logits set to -inf; stop at EOS or max_length tokens incl. BOS",
+    }
+    (folder / PACKAGE_META).write_text(json.dumps(meta, indent=2) + "\n")
+    if target.name == "metax":
+        missing = [k for k in ("device_id", "gpu_mem_limit", "enable_cuda_graph") if k not in target.provider_options]
+        if missing:
+            raise PipelineError(f"target.provider_options for metax lacks {missing}")
+    (folder / "provider_options.json").write_text(json.dumps(
+        {"provider": target.provider, "options": target.provider_options}, indent=2) + "\n")
+    return meta

@@ -1,0 +1,113 @@
+"""Parity of an exported package against the torch model it came from.
+
+Tensors: encoder memory, first-step logits and cached-step logits (teacher-forced on the true
+tokens, so every step is compared on the same prefix) - max-abs error, cosine, SNR in dB.
+Tokens: greedy decoding with both, on the eval split - identical sequences, token agreement,
+exact match against the truth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pipeline.errors import PipelineError
+from pipeline.metrics import normalize
+
+
+def compare(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
+    ref = np.asarray(ref, dtype=np.float64).ravel()
+    out = np.asarray(out, dtype=np.float64).ravel()
+    if ref.shape != out.shape:
+        raise PipelineError(f"shape mismatch: torch {ref.shape} vs onnx {out.shape}")
+    err = ref - out
+    noise = float(np.sum(err ** 2))
+    denom = float(np.linalg.norm(ref) * np.linalg.norm(out))
+    return {
+        "max_abs": float(np.max(np.abs(err))) if err.size else 0.0,
+        "cosine": float(np.dot(ref, out) / denom) if denom else float(noise == 0.0),
+        "snr_db": float(10 * np.log10(np.sum(ref ** 2) / noise)) if noise > 0 else float("inf"),
+    }
+
+
+def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Worst case over images: largest error, lowest cosine and SNR."""
+    return {"max_abs": max(p["max_abs"] for p in parts), "cosine": min(p["cosine"] for p in parts),
+            "snr_db": min(p["snr_db"] for p in parts), "n": len(parts)}
+
+
+@torch.no_grad()
+def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> dict[str, dict]:
+    """Per output, worst case over ``images``; ``token_ids`` are the teacher-forced targets (BOS..EOS)."""
+    mem_parts, first_parts, step_parts = [], [], []
+    for img, ids in zip(images, token_ids):
+        ids = list(ids)[: max(2, int(package.meta["max_length"]))]
+        memory_t = adapter.encode(img[None])
+        memory_o = package.encode(img[None].numpy())
+        mem_parts.append(compare(memory_t.numpy(), memory_o))
+        logits_t = adapter.decode_logits(torch.tensor([ids]), memory_t)[0].float().numpy()  # [T, V]
+        # the ONNX decoder reads the torch memory, so the logits compare the decoder alone
+        lo, past, cross = package.first(np.array([[ids[0]]]), memory_t.numpy())
+        first_parts.append(compare(logits_t[0], lo[0]))
+        steps = []
+        for t in range(1, len(ids)):
+            lo, past = package.step(np.array([[ids[t]]]), past, cross)
+            steps.append(lo[0])
+        if steps:
+            step_parts.append(compare(logits_t[1:len(ids)], np.stack(steps)))
+    result = {"encoder.memory": _merge(mem_parts), "decoder_first.logits": _merge(first_parts)}
+    if step_parts:
+        result["decoder_step.logits"] = _merge(step_parts)
+    return result
+
+
+@dataclass
+class TokenParity:
+    n: int
+    identical: float          # share of formulas whose token sequences are identical
+    token_agreement: float    # share of positions (up to the longer sequence) with the same token
+    exact_match_torch: float
+    exact_match_onnx: float
+    rows: list[dict]
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "rows"}
+
+
+def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], ids: Sequence[str],
+                 max_length: int, batch_size: int, progress: bool = True) -> TokenParity:
+    bar = tqdm(total=2 * len(images), desc="parity decode (torch, onnx)", disable=not progress)
+    with torch.inference_mode():
+        ref = adapter.generate(images, max_length=max_length, batch_size=batch_size, progress=bar.update)
+    got = package.generate(images.numpy(), max_length=max_length, batch_size=batch_size, progress=bar.update)
+    bar.close()
+    rows, same, agree, total = [], 0, 0, 0
+    for fid, truth, a, b, ta, tb in zip(ids, truths, ref.token_ids, got.token_ids, ref.texts, got.texts):
+        length = max(len(a), len(b))
+        match = sum(x == y for x, y in zip(a, b))
+        agree += match
+        total += length
+        same += a == b
+        rows.append({"id": fid, "truth": truth, "torch": ta, "onnx": tb, "identical": a == b,
+                     "exact_torch": normalize(ta) == normalize(truth), "exact_onnx": normalize(tb) == normalize(truth)})
+    n = len(rows)
+    return TokenParity(n=n, identical=same / max(n, 1), token_agreement=agree / max(total, 1),
+                       exact_match_torch=float(np.mean([r["exact_torch"] for r in rows])) if n else 0.0,
+                       exact_match_onnx=float(np.mean([r["exact_onnx"] for r in rows])) if n else 0.0, rows=rows)
+
+
+def check_tolerances(tensors: dict[str, dict], tokens: TokenParity | None, min_cosine: float, min_snr_db: float,
+                     min_identical: float) -> list[str]:
+    """Every output beyond tolerance, named."""
+    bad = []
+    for name, s in tensors.items():
+        if not s["cosine"] >= min_cosine:
+            bad.append(f"{name}: cosine {s['cosine']:.6f} < {min_cosine}")
+        if not s["snr_db"] >= min_snr_db:
+            bad.append(f"{name}: SNR {s['snr_db']:.1f} dB < {min_snr_db} dB")
+    if tokens is not None and not tokens.identical >= min_identical:
+        bad.append(f"greedy tokens: identical on {tokens.identical:.3f} of {tokens.n} formulas < {min_identical}")
+    return bad

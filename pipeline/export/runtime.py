@@ -1,0 +1,167 @@
+"""Read formulas with an exported package alone: ONNX Runtime sessions, the package's
+preprocessing config and tokenizer, greedy decoding with the KV cache.
+
+No torch model and no model weights are loaded here: everything comes from the package folder.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+from PIL import Image
+
+from pipeline.adapters.base import DecodeResult
+from pipeline.errors import PipelineError
+
+PACKAGE_META = "package.json"
+PREPROCESS = "preprocess.json"
+TOKENIZER = "tokenizer.json"
+
+
+def preprocess_image(image: Image.Image, spec: dict) -> np.ndarray:
+    """The model's inference preprocessing, from ``preprocess.json`` -> float32 [C, H, W]."""
+    if spec.get("kind") != "latex_ocr_junia.canvas":
+        raise PipelineError(f"unsupported preprocessing kind {spec.get('kind')!r} in {PREPROCESS}")
+    from pipeline.adapters.latex_ocr_junia import place_on_canvas, to_grey
+
+    canvas = place_on_canvas(to_grey(image), int(spec["height"]), int(spec["width"]), int(spec["margin"]))
+    return (np.asarray(canvas, dtype=np.float32) / float(spec["scale"]))[None]
+
+
+class CharTokenizer:
+    """``tokenizer.json`` (token_to_id + specials) read without the model package."""
+
+    def __init__(self, path: Path):
+        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        self.token_to_id = payload["token_to_id"]
+        self.id_to_token = {int(i): t for t, i in self.token_to_id.items()}
+        sp = payload["specials"]
+        self.specials = {sp[k] for k in ("pad", "bos", "eos", "unk")}
+        self.eos = sp["eos"]
+        self.unk = sp["unk"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            tok = self.id_to_token.get(int(i), self.unk)
+            if tok == self.eos:
+                break
+            if tok not in self.specials:
+                out.append(tok)
+        return "".join(out)
+
+
+class OnnxPackage:
+    """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON."""
+
+    def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None):
+        import onnxruntime as ort
+
+        self.folder = Path(folder)
+        meta_path = self.folder / PACKAGE_META
+        if not meta_path.is_file():
+            raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
+        self.meta = json.loads(meta_path.read_text())
+        self.preprocess_spec = json.loads((self.folder / PREPROCESS).read_text())
+        self.tokenizer = CharTokenizer(self.folder / TOKENIZER)
+        wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
+        available = ort.get_available_providers()
+        # the reference runtime: a package for another accelerator is checked on ORT CPU here
+        self.provider = wanted if wanted in available else "CPUExecutionProvider"
+        providers = [self.provider] if self.provider == "CPUExecutionProvider" else [self.provider, "CPUExecutionProvider"]
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = int(threads)
+            so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sessions = {}
+        for graph in ("encoder", "decoder_first", "decoder_step"):
+            path = self.folder / self.meta["graphs"][graph]
+            if not path.is_file():
+                raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
+            try:
+                self.sessions[graph] = ort.InferenceSession(str(path), so, providers=providers)
+            except Exception as exc:  # onnxruntime raises its own exception types
+                raise PipelineError(f"{graph}: ONNX Runtime cannot load {path.name}: {str(exc).splitlines()[0]}") from None
+        self.io = self.meta["io"]
+        self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
+        self.banned = [int(i) for i in self.meta["banned_token_ids"]]
+        self.num_layers = int(self.meta["num_layers"])
+
+    # ---- steps --------------------------------------------------------------------------------
+    def preprocess(self, image: Image.Image) -> np.ndarray:
+        return preprocess_image(image, self.preprocess_spec)
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        return self.sessions["encoder"].run(["memory"], {"images": images.astype(np.float32, copy=False)})[0]
+
+    def first(self, input_ids: np.ndarray, memory: np.ndarray) -> tuple[np.ndarray, list, list]:
+        outs = self.sessions["decoder_first"].run(None, {"input_ids": input_ids.astype(np.int64), "memory": memory})
+        n = 2 * self.num_layers
+        return outs[0], outs[1:1 + n], outs[1 + n:]
+
+    def step(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
+        names = self.io["decoder_step"]["inputs"]
+        feed = dict(zip(names, [input_ids.astype(np.int64), *past, *cross]))
+        outs = self.sessions["decoder_step"].run(None, feed)
+        return outs[0], outs[1:]
+
+    # ---- greedy decoding ------------------------------------------------------------------------
+    def generate(self, images: np.ndarray, max_length: int, batch_size: int = 16,
+                 progress: Callable[[int], None] | None = None) -> DecodeResult:
+        """Greedy decoding as :meth:`ModelAdapter.generate` does it (cap includes BOS, finished
+        rows leave the batch), with the KV cache: one decoder step per new token."""
+        all_ids: list[list[int]] = []
+        enc_s = dec_s = 0.0
+        for start in range(0, images.shape[0], batch_size):
+            batch = images[start:start + batch_size]
+            t0 = time.perf_counter()
+            memory = self.encode(batch)
+            t1 = time.perf_counter()
+            all_ids += self._greedy(memory, max_length)
+            dec_s += time.perf_counter() - t1
+            enc_s += t1 - t0
+            if progress is not None:
+                progress(batch.shape[0])
+        steps = [len(ids) for ids in all_ids]
+        capped = [not ids or ids[-1] != self.eos for ids in all_ids]
+        return DecodeResult(all_ids, [self.tokenizer.decode(i) for i in all_ids], enc_s, dec_s, steps, capped)
+
+    def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
+        n = memory.shape[0]
+        out: list[list[int] | None] = [None] * n
+        seqs = [[] for _ in range(n)]
+        active = np.arange(n)
+        if max_length < 2:
+            return [[] for _ in range(n)]
+        logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
+        for t in range(max_length - 1):
+            logits = logits.astype(np.float32, copy=True)
+            logits[:, self.banned] = -np.inf
+            nxt = logits.argmax(-1)
+            for row, tok in enumerate(nxt.tolist()):
+                seqs[active[row]].append(int(tok))
+            done = nxt == self.eos
+            if done.any():
+                for row in np.flatnonzero(done):
+                    out[active[row]] = seqs[active[row]]
+                keep = ~done
+                active, nxt = active[keep], nxt[keep]
+                if active.size == 0:
+                    break
+                past = [p[keep] for p in past]
+                cross = [c[keep] for c in cross]
+            if t == max_length - 2:
+                break
+            logits, past = self.step(nxt[:, None], past, cross)
+        for idx in active.tolist():  # stopped by the cap
+            out[idx] = seqs[idx]
+        return [o if o is not None else [] for o in out]
+
+    def read_images(self, images: Sequence[Image.Image], max_length: int | None = None, batch_size: int = 16
+                    ) -> DecodeResult:
+        arr = np.stack([self.preprocess(im) for im in images])
+        return self.generate(arr, int(max_length or self.meta["max_length"]), batch_size)

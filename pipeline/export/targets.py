@@ -1,0 +1,49 @@
+"""Deployment targets: what each runtime accepts and which graph transforms it gets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.export.validator import FLOAT_ONLY_OPS, MIN_OPSET, Rules
+
+KNOWN = ("ort_cpu", "tensorrt", "metax")
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    opset: int
+    fuse: bool              # ONNX Runtime transformer fusions (contrib ops)
+    fp16_weights: bool
+    provider: str
+    provider_options: dict[str, Any]
+    rules: Rules
+
+
+def resolve_target(tcfg: Any) -> Target:
+    """The target config (``conf/target/<name>.yaml``) checked and turned into rules."""
+    name = str(tcfg.name)
+    if name not in KNOWN:
+        raise PipelineError(f"unknown export target {name!r}; known: {', '.join(KNOWN)}")
+    opset = int(tcfg.opset)
+    if opset < MIN_OPSET:
+        raise PipelineError(f"target.opset={opset}: need >= {MIN_OPSET} so LayerNorm stays one LayerNormalization op")
+    if tcfg.max_opset is not None and opset > int(tcfg.max_opset):
+        raise PipelineError(f"target.opset={opset} exceeds target.max_opset={tcfg.max_opset} of {name}")
+    allow_contrib = bool(tcfg.allow_contrib_ops)
+    if bool(tcfg.fuse) and not allow_contrib:
+        raise PipelineError(f"target {name}: fuse=true needs contrib ops (allow_contrib_ops=false)")
+    strict_int8 = name in ("metax", "tensorrt")
+    rules = Rules(
+        target=name,
+        max_opset=None if tcfg.max_opset is None else int(tcfg.max_opset),
+        max_ir_version=None if tcfg.max_ir_version is None else int(tcfg.max_ir_version),
+        allow_contrib_ops=allow_contrib,
+        symmetric_int8=strict_int8,
+        per_channel_weights=name == "metax",
+        per_tensor_activations=name == "metax",
+        float_only_ops=FLOAT_ONLY_OPS if name == "metax" else (),
+    )
+    options = dict(tcfg.provider_options or {})
+    return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules)

@@ -1,0 +1,114 @@
+"""TensorRT engines from the exported ONNX: optimization profiles, the ``trtexec`` command, and a
+builder on the TensorRT Python API (runs wherever ``tensorrt`` imports)."""
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+
+Shape = tuple[int, ...]
+
+
+def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
+    """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
+    request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image."""
+    c, h, w = meta["input_shape"]
+    heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
+    max_len = int(meta["max_length"])
+    d = meta["hidden_size"]
+    opt_len = max(1, min(opt_len, max_len - 1))
+
+    def kv(length_min: int, length_opt: int, length_max: int):
+        return ((1, heads, length_min, head_dim), (1, heads, length_opt, head_dim), (max_batch, heads, length_max, head_dim))
+
+    io = meta["io"]
+    out: dict[str, dict[str, tuple[Shape, Shape, Shape]]] = {
+        "encoder": {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w))},
+        "decoder_first": {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
+                          "memory": ((1, mem_len, d), (1, mem_len, d), (max_batch, mem_len, d))},
+        "decoder_step": {"input_ids": ((1, 1), (1, 1), (max_batch, 1))},
+    }
+    for name in io["decoder_step"]["inputs"][1:]:
+        if name.startswith("past_"):
+            out["decoder_step"][name] = kv(1, opt_len, max_len - 1)
+        else:
+            out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
+    return out
+
+
+def _dims(s: Shape) -> str:
+    return "x".join(str(int(v)) for v in s)
+
+
+def trtexec_command(onnx_name: str, engine_name: str, profile: dict[str, tuple[Shape, Shape, Shape]], int8: bool,
+                    timing_cache: str = "timing.cache") -> str:
+    parts = ["trtexec", f"--onnx={onnx_name}", f"--saveEngine={engine_name}", "--fp16"]
+    if int8:
+        parts.append("--int8")  # explicit quantization: the Q/DQ nodes of the graph set the scales
+    for flag, i in (("--minShapes", 0), ("--optShapes", 1), ("--maxShapes", 2)):
+        parts.append(f"{flag}=" + ",".join(f"{k}:{_dims(v[i])}" for k, v in profile.items()))
+    parts += [f"--timingCacheFile={timing_cache}", "--skipInference", "--verbose"]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def tensorrt_available() -> bool:
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_engine(onnx_path: Path, engine_path: Path, profile: dict[str, tuple[Shape, Shape, Shape]], int8: bool,
+                 timing_cache: Path, log_path: Path, workspace_gib: float = 4.0) -> dict[str, Any]:
+    """Parse the ONNX, set the profile and FP16 (+INT8 for explicit QDQ) flags, build and save the
+    engine, the timing cache and the build log."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise PipelineError("tensorrt is not installed: run the trtexec commands in build_engines.sh "
+                            "on a machine with TensorRT") from None
+    lines: list[str] = []
+
+    class _Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+
+        def log(self, severity, msg):  # noqa: D401 - TensorRT's callback
+            lines.append(f"[{severity}] {msg}")
+
+    logger = _Logger()
+    builder = trt.Builder(logger)
+    flags = 0
+    if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH"):  # implicit in TensorRT >= 10
+        flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        log_path.write_text("\n".join(lines + errors) + "\n")
+        raise PipelineError(f"{onnx_path.name}: TensorRT cannot parse it: {errors[0] if errors else 'unknown error'}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    config.set_flag(trt.BuilderFlag.FP16)
+    if int8:
+        config.set_flag(trt.BuilderFlag.INT8)
+    cache_bytes = timing_cache.read_bytes() if timing_cache.is_file() else b""
+    cache = config.create_timing_cache(cache_bytes)
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    opt_profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in profile.items():
+        opt_profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(opt_profile)
+    t0 = time.perf_counter()
+    serialized = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - t0
+    log_path.write_text("\n".join(lines) + "\n")
+    if serialized is None:
+        raise PipelineError(f"{onnx_path.name}: TensorRT engine build failed; see {log_path.name}")
+    engine_path.write_bytes(bytes(serialized))
+    timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
+    return {"engine": engine_path.name, "build_seconds": round(seconds, 1), "int8": int8, "fp16": True}
