@@ -1,0 +1,124 @@
+"""report.md and tokenizer_comparison.png of the tokenizer stage."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+
+from pipeline.reports import markdown_table, savefig
+
+PLOT = "tokenizer_comparison.png"
+
+
+def comparison_rows(m: dict, names: Sequence[str]) -> list[list[str]]:
+    """The comparison table: one column per tokenizer, one row per measure."""
+    t = [m["tokenizers"][n] for n in names]
+    char_steps = t[0]["decode_steps_mean"]
+    step_ms = m["decode_step_ms"]
+
+    def row(label, fn):
+        return [label, *(fn(x) for x in t)]
+    return [
+        row("vocabulary size", lambda x: x["vocab_size"]),
+        row("tokens / formula, mean", lambda x: f"{x['tokens_mean']:.2f}"),
+        row("tokens / formula, p95", lambda x: f"{x['tokens_p95']:.1f}"),
+        row("fewer tokens than char-level", lambda x: f"{t[0]['tokens_mean'] / x['tokens_mean']:.2f}x"),
+        row("LaTeX commands split across tokens",
+            lambda x: f"{x['commands_split_share']:.1%} ({x['commands_split']}/{x['commands']})"),
+        row("round trip decode(encode(x)) == normalized x", lambda x: f"{x['round_trip_exact']:.1%}"),
+        row("encode ms / formula, single", lambda x: f"{x['single_ms']:.4f}"),
+        row("encode ms / formula, batched", lambda x: f"{x['batched_ms']:.4f}"),
+        row("decode steps / formula (tokens + eos)", lambda x: f"{x['decode_steps_mean']:.2f}"),
+        row("decode steps saved vs char-level", lambda x: f"{char_steps - x['decode_steps_mean']:.2f}"),
+        row(f"decoder ms saved / formula at {step_ms:.1f} ms/step",
+            lambda x: f"{(char_steps - x['decode_steps_mean']) * step_ms:.0f}"),
+    ]
+
+
+def cache_rows(m: dict) -> list[list[str]]:
+    rows = []
+    for key in ("normalized", "raw"):
+        c = m["cache"][key]
+        rows.append([f"{key} formula" + (" (ours)" if key == "normalized" else " string"), c["capacity"],
+                     f"{c['hit_rate']:.2%}", f"{c['hits']}/{c['misses']}", c["evictions"],
+                     f"{c['ms_per_request']:.4f}", f"{c['ms_per_hit']:.4f}"])
+    return rows
+
+
+def write_report(folder: Path, m: dict, names: Sequence[str], examples: Sequence[tuple[str, list, list]]) -> None:
+    _plot(folder / PLOT, m, names)
+    r = m["replay"]
+    lines = [
+        "# Tokenizer: atom-aware BPE vs char-level vs plain BPE",
+        "",
+        f"Trained on {m['train']['formulas']} formulas ({m['train']['source']}); compared on "
+        f"{m['eval']['formulas']} formulas ({m['eval']['source']}). Every tokenizer reads the same "
+        "normalized formulas (display-math wrapper stripped, whitespace runs collapsed to one space).",
+        "",
+        markdown_table(["measure", *names], comparison_rows(m, names)),
+        "",
+        f"![comparison]({PLOT})",
+        "",
+        f"Vocabulary of ours: {m['vocab_size']} entries = 4 special tokens + {m['alphabet_atoms']} atoms "
+        f"+ {m['command_prefixes']} command prefixes (they only assemble commands) + "
+        f"{m['whole_commands']} renderer commands kept whole + {m['learned_merges']} learned merges. "
+        f"The plain BPE was trained with the same vocabulary size and minimum pair frequency; it has "
+        f"{m['tokenizers'][names[1]]['vocab_size']} entries when no pair is frequent enough to add more. "
+        f"Decoder step cost: {m['decode_step_ms']:.1f} ms "
+        f"({m['decode_step_source']}).",
+        "",
+        "## Serving cache",
+        "",
+        f"Replay: {r['requests']} requests over {r['distinct_formulas']} eval formulas, formula rank k drawn "
+        f"with P ~ 1/k^{r['zipf_exponent']} (seed {r['seed']}), each request in one of 4 spellings "
+        "(as is, `$..$`, `\\[..\\]`, doubled spaces). Times include the Python call.",
+        "",
+        markdown_table(["cache key", "capacity", "hit rate", "hits/misses", "evictions", "ms / request",
+                        "ms / hit"], cache_rows(m)),
+        "",
+        "Hit rate by capacity: " + ", ".join(
+            f"{c}: {a:.1%} / {b:.1%}" for c, a, b in zip(m["cache_sweep"]["capacities"],
+                                                         m["cache_sweep"]["normalized"], m["cache_sweep"]["raw"]))
+        + " (normalized key / raw key).",
+        "",
+        "## Targets",
+        "",
+        markdown_table(["target", "met"], [[k, "yes" if v else "NO"] for k, v in m["targets"].items()]),
+        "",
+        "## Examples (eval split)",
+        "",
+        markdown_table(["formula", "ours", "plain BPE"],
+                       [[f"`{t}`", " · ".join(f"`{x}`" for x in a), " · ".join(f"`{x}`" for x in b)]
+                        for t, a, b in examples]),
+        "",
+    ]
+    fails = m["tokenizers"][names[-1]]["round_trip_failures"]
+    if fails:
+        lines += ["## Round-trip failures (ours)", "",
+                  markdown_table(["input", "expected", "decoded"],
+                                 [[f"`{f['input']}`", f"`{f['expected']}`", f"`{f['decoded']}`"] for f in fails]), ""]
+    (folder / "report.md").write_text("\n".join(lines))
+
+
+def _plot(path: Path, m: dict, names: Sequence[str]) -> None:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    t = [m["tokenizers"][n] for n in names]
+    x = range(len(names))
+    short = [n.split(" (")[0].split(":")[0] for n in names]
+    ax1.bar([i - 0.2 for i in x], [v["tokens_mean"] for v in t], width=0.4, label="mean", color="#4477aa")
+    ax1.bar([i + 0.2 for i in x], [v["tokens_p95"] for v in t], width=0.4, label="p95", color="#aa7744")
+    ax1.set_xticks(list(x), short)
+    ax1.set_ylabel("tokens per formula")
+    ax1.set_title("Sequence length on the eval formulas")
+    ax1.legend()
+    caps = m["cache_sweep"]["capacities"]
+    ax2.plot(caps, m["cache_sweep"]["normalized"], marker="o", label="key: normalized formula")
+    ax2.plot(caps, m["cache_sweep"]["raw"], marker="s", label="key: raw string")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("cache capacity (formulas)")
+    ax2.set_ylabel("hit rate")
+    ax2.set_ylim(0, 1.02)
+    ax2.set_title(f"Zipf replay (s={m['replay']['zipf_exponent']})")
+    ax2.legend(loc="lower right")
+    savefig(fig, path)
