@@ -135,12 +135,41 @@ def _isolate_outputs(model: onnx.ModelProto) -> None:
     model.graph.node.extend(extra)
 
 
+def _drop_noop_casts(model: onnx.ModelProto) -> None:
+    """Remove Casts to the type their input already has (torch's ``.float()`` on float logits):
+    the FP16 converter would retype their output but keep their ``to`` attribute."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    outputs = {o.name for o in model.graph.output}
+    rename = {}
+    keep = []
+    for node in model.graph.node:
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if node.op_type == "Cast" and to is not None and types.get(node.input[0]) == to:
+            if node.output[0] in outputs:  # a graph output keeps its name: the Cast becomes an Identity
+                node.op_type = "Identity"
+                del node.attribute[:]
+            else:
+                rename[node.output[0]] = rename.get(node.input[0], node.input[0])
+                continue
+        keep.append(node)
+    for node in keep:
+        for k, name in enumerate(node.input):
+            if name in rename:
+                node.input[k] = rename[name]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+
+
 def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     """FP16 weights and compute; graph inputs and outputs stay float32; Q/DQ stay float32 (opset
     17 DequantizeLinear takes float scales only)."""
     from onnxconverter_common import float16
 
     model = onnx.ModelProto.FromString(model.SerializeToString())
+    _drop_noop_casts(model)
     del model.graph.value_info[:]  # stale float32 shape info makes the converter mistype edges
     _isolate_outputs(model)
     block = list(float16.DEFAULT_OP_BLOCK_LIST) + list(QDQ_OPS)

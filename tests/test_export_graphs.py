@@ -1,0 +1,245 @@
+"""KV-cached decoder equals full recompute (torch and ONNX), on a tiny random model; the validator
+names planted rule breaks; TensorRT profiles and the builder up to its build call."""
+from __future__ import annotations
+
+import sys
+import types
+from unittest import mock
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.errors import PipelineError
+from pipeline.export import tensorrt as trt_build
+from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, cached_greedy
+from pipeline.export.onnx_graphs import export_graphs, to_fp16
+from pipeline.export.targets import resolve_target
+from pipeline.export.validator import FLOAT_ONLY_OPS, Rules, validate
+
+BOS, EOS = 1, 2
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from latex_ocr_junia.model import ModelConfig, build_model
+
+    from pipeline.adapters.attention import replace_mha
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(image_height=16, image_width=32, patch_size=8, d_model=32, num_heads=4,
+                      num_encoder_layers=2, num_decoder_layers=2, mlp_dim=64, dropout=0.1, max_length=40,
+                      vocab_size=23, pad_token_id=0)
+    model = build_model(cfg)
+    replace_mha(model)
+    return model.eval()
+
+
+def _recompute_greedy(model, memory, max_length):
+    """The torch model's own way: re-run the whole prefix at every step."""
+    seqs = torch.full((memory.shape[0], 1), BOS, dtype=torch.long)
+    for _ in range(max_length - 1):
+        logits = model.decode(seqs, memory)[:, -1].clone()
+        logits[:, [0, BOS]] = float("-inf")
+        seqs = torch.cat([seqs, logits.argmax(-1)[:, None]], dim=1)
+    return seqs[:, 1:]
+
+
+@torch.no_grad()
+def test_kv_cache_logits_equal_full_recompute(tiny_model):
+    memory = tiny_model.encode(torch.rand(3, 1, 16, 32))
+    tokens = torch.randint(3, 23, (3, 12))
+    tokens[:, 0] = BOS
+    full = tiny_model.decode(tokens, memory)  # [B, T, V]
+    first, step = DecoderFirstGraph(tiny_model).eval(), DecoderStepGraph(tiny_model).eval()
+    out = first(tokens[:, :1], memory)
+    n = 2 * len(tiny_model.decoder_blocks)
+    logits, past, cross = out[0], list(out[1:1 + n]), list(out[1 + n:])
+    cached = [logits]
+    for t in range(1, tokens.shape[1]):
+        o = step(tokens[:, t:t + 1], *past, *cross)
+        cached.append(o[0])
+        past = list(o[1:])
+        assert past[0].shape[2] == t + 1
+    torch.testing.assert_close(torch.stack(cached, 1), full, rtol=1e-4, atol=1e-5)
+    # a whole prefix through the first graph (causal mask from shapes) equals it too
+    torch.testing.assert_close(first(tokens, memory)[0], full[:, -1], rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_kv_cache_greedy_equals_recompute_greedy(tiny_model):
+    memory = tiny_model.encode(torch.rand(4, 1, 16, 32))
+    ref = _recompute_greedy(tiny_model, memory, 20)
+    got = cached_greedy(tiny_model, memory, BOS, EOS, [0, BOS], 20)
+    for r, g in zip(ref.tolist(), got):
+        cut = r.index(EOS) + 1 if EOS in r else len(r)
+        assert g == r[:cut]
+
+
+@torch.no_grad()
+def test_onnx_graphs_dynamic_axes_equal_recompute(tiny_model):
+    import onnxruntime as ort
+
+    graphs = export_graphs(tiny_model, (1, 16, 32), 17)
+    assert all(m.opset_import[0].version == 17 for m in graphs.values())
+    sess = {g: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]) for g, m in graphs.items()}
+    images = torch.rand(3, 1, 16, 32)  # batch 3: the graphs were traced at batch 2
+    memory = sess["encoder"].run(None, {"images": images.numpy()})[0]
+    np.testing.assert_allclose(memory, tiny_model.encode(images).numpy(), rtol=1e-4, atol=1e-4)
+    tokens = torch.randint(3, 23, (3, 9))
+    tokens[:, 0] = BOS
+    full = tiny_model.decode(tokens, torch.from_numpy(memory)).numpy()
+    outs = sess["decoder_first"].run(None, {"input_ids": tokens[:, :1].numpy(), "memory": memory})
+    n = 2 * len(tiny_model.decoder_blocks)
+    past, cross = outs[1:1 + n], outs[1 + n:]
+    np.testing.assert_allclose(outs[0], full[:, 0], rtol=1e-4, atol=1e-4)
+    names = [i.name for i in sess["decoder_step"].get_inputs()]
+    for t in range(1, tokens.shape[1]):
+        o = sess["decoder_step"].run(None, dict(zip(names, [tokens[:, t:t + 1].numpy(), *past, *cross])))
+        np.testing.assert_allclose(o[0], full[:, t], rtol=1e-4, atol=1e-4)
+        past = o[1:]
+    # FP16 weights: still loadable with float32 I/O, close to float
+    m16 = to_fp16(graphs["decoder_step"])
+    assert any(t.data_type == TensorProto.FLOAT16 for t in m16.graph.initializer)
+    s16 = ort.InferenceSession(m16.SerializeToString(), providers=["CPUExecutionProvider"])
+    o16 = s16.run(None, dict(zip(names, [tokens[:, 1:2].numpy(), *outs[1:1 + n], *cross])))
+    assert np.corrcoef(o16[0].ravel(), full[:, 1].ravel())[0, 1] > 0.99
+
+
+# ---- validator ----------------------------------------------------------------------------------
+
+def _graph(nodes, inits, opset=17, ir=8, extra_opsets=()):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    g = helper.make_graph(nodes, "g", [x], [y], initializer=inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), *extra_opsets])
+    m.ir_version = ir
+    return m
+
+
+METAX = Rules("metax", max_opset=17, max_ir_version=8, allow_contrib_ops=False, symmetric_int8=True,
+              per_channel_weights=True, per_tensor_activations=True, float_only_ops=FLOAT_ONLY_OPS)
+
+
+def _int8(name, value):
+    return numpy_helper.from_array(np.asarray(value, dtype=np.int8), name)
+
+
+def _f32(name, value):
+    return numpy_helper.from_array(np.asarray(value, dtype=np.float32), name)
+
+
+def test_validator_accepts_a_clean_symmetric_qdq_graph():
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q_act"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq_act"),
+             helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], name="dq_w", axis=1),
+             helper.make_node("MatMul", ["xd", "wd"], ["m"], name="mm"),
+             helper.make_node("LayerNormalization", ["m", "g", "b"], ["y"], name="ln", axis=-1)]
+    inits = [_f32("s", 0.1), _int8("z", 0), _int8("w", np.ones((4, 4))), _f32("ws", [0.1] * 4),
+             _int8("wz", [0] * 4), _f32("g", [1] * 4), _f32("b", [0] * 4)]
+    assert validate(_graph(nodes, inits), METAX, "enc") == []
+
+
+def test_validator_names_planted_opset18_contrib_and_quantized_layernorm():
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q_act"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq_act"),
+             helper.make_node("LayerNormalization", ["xd", "g", "b"], ["ln_out"], name="ln_quantized", axis=-1),
+             helper.make_node("Gelu", ["ln_out"], ["y"], name="contrib_gelu", domain="com.microsoft")]
+    inits = [_f32("s", 0.1), _int8("z", 0), _f32("g", [1] * 4), _f32("b", [0] * 4)]
+    m = _graph(nodes, inits, opset=18, ir=9, extra_opsets=[helper.make_opsetid("com.microsoft", 1)])
+    found = [str(v) for v in validate(m, METAX, "encoder")]
+    assert any("opset 18 > 17" in f for f in found), found
+    assert any("IR version 9 > 8" in f for f in found), found
+    assert any("'contrib_gelu'" in f and "contrib op" in f for f in found), found
+    assert any("'ln_quantized'" in f and "quantized LayerNormalization" in f for f in found), found
+    assert all(f.startswith("encoder: ") for f in found)
+    # ORT CPU allows all of it but the opset ceiling it does not set
+    assert validate(m, Rules("ort_cpu"), "encoder") == []
+
+
+def test_validator_names_asymmetric_and_per_tensor_weight_nodes():
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zu"], ["xq"], name="q_uint8"),
+             helper.make_node("DequantizeLinear", ["xq", "s", "zu"], ["xd"], name="dq_uint8"),
+             helper.make_node("DequantizeLinear", ["w", "s", "zw"], ["wd"], name="dq_w_per_tensor"),
+             helper.make_node("QuantizeLinear", ["x", "s", "z5"], ["y"], name="q_asym")]
+    inits = [_f32("s", 0.1), numpy_helper.from_array(np.asarray(128, dtype=np.uint8), "zu"),
+             _int8("w", np.ones((4, 4))), _int8("zw", 0), _int8("z5", 5)]
+    found = {v.node: v.rule for v in validate(_graph(nodes, inits), METAX, "enc")}
+    assert "uint8" in found["q_uint8"] and "uint8" in found["dq_uint8"]
+    assert "per-channel" in found["dq_w_per_tensor"]
+    assert "asymmetric" in found["q_asym"]
+
+
+def test_unknown_target_and_bad_opset_are_refused():
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(["target=metax"])
+    assert resolve_target(cfg.target).rules.max_ir_version == 8
+    cfg.target.name = "nnapi"
+    with pytest.raises(PipelineError, match="unknown export target 'nnapi'"):
+        resolve_target(cfg.target)
+    cfg = compose_cfg(["target=ort_cpu", "target.opset=13"])
+    with pytest.raises(PipelineError, match="LayerNormalization"):
+        resolve_target(cfg.target)
+    cfg = compose_cfg(["target=metax", "target.opset=18"])
+    with pytest.raises(PipelineError, match="max_opset"):
+        resolve_target(cfg.target)
+
+
+# ---- TensorRT -------------------------------------------------------------------------------------
+
+META = {"input_shape": [1, 128, 512], "num_heads": 8, "head_dim": 32, "memory_length": 1024, "max_length": 160,
+        "hidden_size": 256, "io": {"decoder_step": {"inputs": ["input_ids", "past_key_0", "past_value_0",
+                                                               "cross_key_0", "cross_value_0"]}}}
+
+
+def test_tensorrt_profiles_and_trtexec_command():
+    p = trt_build.profiles(META, max_batch=16, opt_len=48)
+    assert p["encoder"]["images"] == ((1, 1, 128, 512), (1, 1, 128, 512), (16, 1, 128, 512))
+    assert p["decoder_step"]["past_key_0"] == ((1, 8, 1, 32), (1, 8, 48, 32), (16, 8, 159, 32))
+    assert p["decoder_step"]["cross_value_0"][2] == (16, 8, 1024, 32)
+    cmd = trt_build.trtexec_command("decoder_step.onnx", "decoder_step.plan", p["decoder_step"], int8=True)
+    assert cmd.startswith("trtexec --onnx=decoder_step.onnx --saveEngine=decoder_step.plan --fp16 --int8 ")
+    assert "--maxShapes=input_ids:16x1,past_key_0:16x8x159x32," in cmd
+    assert "--timingCacheFile=timing.cache" in cmd
+
+
+def test_tensorrt_builder_without_tensorrt_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
+    assert not trt_build.tensorrt_available()
+    with pytest.raises(PipelineError, match="tensorrt is not installed.*trtexec"):
+        trt_build.build_engine(tmp_path / "e.onnx", tmp_path / "e.plan", {}, False, tmp_path / "c", tmp_path / "l")
+
+
+def test_tensorrt_builder_calls_up_to_the_build(tmp_path, monkeypatch):
+    """A stand-in ``tensorrt`` module records what the builder is asked; the real one is absent here."""
+    trt = mock.MagicMock()
+    trt.ILogger = type("ILogger", (), {"__init__": lambda self: None})
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(EXPLICIT_BATCH=0)
+    builder = trt.Builder.return_value
+    builder.build_serialized_network.return_value = b"engine-bytes"
+    config = builder.create_builder_config.return_value
+    config.get_timing_cache.return_value.serialize.return_value = b"cache"
+    trt.OnnxParser.return_value.parse_from_file.return_value = True
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    profile = trt_build.profiles(META, 4, 16)["decoder_step"]
+    info = trt_build.build_engine(tmp_path / "decoder_step.onnx", tmp_path / "decoder_step.plan", profile, True,
+                                  tmp_path / "timing.cache", tmp_path / "build.log")
+    assert (tmp_path / "decoder_step.plan").read_bytes() == b"engine-bytes"
+    assert (tmp_path / "timing.cache").read_bytes() == b"cache"
+    assert (tmp_path / "build.log").is_file()
+    flags = [c.args[0] for c in config.set_flag.call_args_list]
+    assert flags == [trt.BuilderFlag.FP16, trt.BuilderFlag.INT8]
+    opt = builder.create_optimization_profile.return_value
+    assert {c.args[0]: c.args[1:] for c in opt.set_shape.call_args_list} == profile
+    config.add_optimization_profile.assert_called_once_with(opt)
+    assert info["int8"] and info["engine"] == "decoder_step.plan"
+    # a parse failure names the file and the parser's first error
+    trt.OnnxParser.return_value.parse_from_file.return_value = False
+    trt.OnnxParser.return_value.num_errors = 1
+    trt.OnnxParser.return_value.get_error.return_value = "Unsupported op Foo"
+    with pytest.raises(PipelineError, match="decoder_step.onnx: TensorRT cannot parse it: Unsupported op Foo"):
+        trt_build.build_engine(tmp_path / "decoder_step.onnx", tmp_path / "x.plan", profile, True,
+                               tmp_path / "timing.cache", tmp_path / "build.log")
