@@ -68,8 +68,8 @@ def read_formula_file(path_str: str, option: str) -> tuple[list[str], dict]:
         print(f"[tokenizer] {path}: skipped {len(bad_lines)} line(s) that are not UTF-8 "
               f"(line {', '.join(map(str, bad_lines[:5]))}{' ...' if len(bad_lines) > 5 else ''})", flush=True)
     if not formulas:
-        why = f"all {len(bad_lines)} non-blank line(s) are not UTF-8" if bad_lines else "it has no formula"
-        raise PipelineError(f"tokenizer.{option}: {path} is empty: {why}")
+        why = f"all {len(bad_lines)} non-blank line(s) are not UTF-8" if bad_lines else "the file is empty"
+        raise PipelineError(f"tokenizer.{option}: no formula in {path}: {why}")
     return formulas, {"file": str(path), "lines_not_utf8": len(bad_lines), "blank_lines": blank}
 
 
