@@ -1,0 +1,52 @@
+"""Config errors: one clear line on stderr, exit code 2, no artifact."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import compose_cfg, run_cli
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("eval.bogus=1", "Key 'bogus' not in 'EvalConfig'"),
+    ("eval.limit=abc", "could not be converted to Integer"),
+    ("stage=bogus", "Could not find 'stage/bogus'"),
+    ("target=nope", "Could not find 'target/nope'"),
+    ("model.max_length=many", "model.max_length"),
+])
+def test_config_errors_are_one_line_and_exit_2(tmp_path, override, needle):
+    proc = run_cli(override, f"artifacts.dir={tmp_path / 'a'}")
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: config:") and needle in lines[0]
+    assert not (tmp_path / "a").exists()
+
+
+def test_defaults_compose_and_stage_group_selects_stage():
+    cfg = compose_cfg(["stage=prune", "target=metax"])
+    assert cfg.stage == "prune"
+    assert cfg.target.name == "metax" and cfg.target.max_opset == 17
+    assert cfg.model.adapter == "latex_ocr_junia"
+
+
+def test_unbuilt_stage_says_so(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from pipeline import stages
+    from pipeline.__main__ import run_stages
+    from pipeline.errors import PipelineError
+
+    spec = replace(stages.STAGES["quantize"], built=False)
+    monkeypatch.setitem(stages.STAGES, "quantize", spec)
+    cfg = compose_cfg(["stage=quantize", f"artifacts.dir={tmp_path}"])
+    with pytest.raises(PipelineError, match="stage 'quantize' is not built yet"):
+        run_stages(cfg)
+
+
+def test_bad_input_in_a_stage_is_one_line(tmp_path):
+    proc = run_cli("stage=evaluate", f"eval.formulas={tmp_path / 'missing.txt'}", f"artifacts.dir={tmp_path / 'a'}",
+                   "progress=false")
+    assert proc.returncode == 2
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert err == [f"error: eval.formulas: no such file {tmp_path / 'missing.txt'}"]
+    assert not (tmp_path / "a" / "evaluate").exists()
