@@ -161,7 +161,14 @@ def _write_set(folder: Path, chosen: list[sets.Candidate], source: sets.Source, 
         }, features=features))
     bar.close()
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    ds.save_to_disk(str(folder))
+    bars_were_on = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        ds.save_to_disk(str(folder))
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
     return shown
 
 
