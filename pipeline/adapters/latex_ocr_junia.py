@@ -47,8 +47,9 @@ def safe_load_checkpoint(path: Path, trust: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if "Weights only load failed" not in str(exc):
-            raise PipelineError(f"corrupt checkpoint {path}: {str(exc).splitlines()[0]}") from None
+        # weights_only refuses a GLOBAL (a class or function to import); anything else is a broken file
+        if "GLOBAL" not in str(exc):
+            raise PipelineError(f"corrupt checkpoint {path}: not a readable torch checkpoint") from None
         if not trust:
             raise PipelineError(
                 f"checkpoint {path} needs more than tensors to load (it would run pickled code); "
