@@ -440,14 +440,16 @@ def assign_buckets(scan: SourceScan) -> None:
 
 
 def allocate(counts: dict[str, int], size: int) -> dict[str, int]:
-    """Seats per bucket: one for every non-empty bucket when ``size`` allows (coverage first), the
-    rest by largest remainder of the proportional quota, never more than a bucket holds."""
+    """Seats per bucket, coverage first: one for every non-empty bucket (for the ``size`` most
+    populous ones when there are more buckets than seats), the rest by largest remainder of the
+    proportional quota, never more than a bucket holds."""
     total = sum(counts.values())
     keys = sorted(k for k, n in counts.items() if n > 0)
     quota = {k: size * counts[k] / total for k in keys}
-    seats = {k: 0 for k in keys}
-    if size >= len(keys):
-        seats = {k: 1 for k in keys}
+    if size < len(keys):
+        largest = sorted(keys, key=lambda k: -counts[k])[:size]  # stable: ties stay in name order
+        return {k: int(k in largest) for k in keys}
+    seats = {k: 1 for k in keys}
     left = size - sum(seats.values())
     # each round gives one seat to the bucket furthest below its quota (ties: larger, then by name)
     while left > 0:

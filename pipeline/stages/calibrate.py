@@ -9,10 +9,9 @@ are removed, and ``calibrate.size`` images are drawn per bucket with the root ``
 """
 from __future__ import annotations
 
-import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -88,14 +87,18 @@ def run(cfg: CalibrateConfig, ctx: StageContext) -> dict:
             _print_summary(out.metrics)
             return out.manifest
         adapter = ctx.load_model(cfg.model)
+        started = time.perf_counter()
         scan = source.scan(adapter.preprocess, ctx.progress)
+        scanned = time.perf_counter()
         if not scan.candidates:
             raise PipelineError(f"no usable image in {scan.description} ({len(scan.skipped)} skipped: "
                                 f"{_names(scan.skipped)})")
         sets.remove_duplicates(scan, cfg.near_duplicate)
         sets.assign_buckets(scan)
         chosen = sets.select(scan, cfg.size, ctx.seed)
+        selected = time.perf_counter()
         tensors = _write_set(out.path / SET_DIR, chosen, source, adapter, ctx.progress)
+        written = time.perf_counter()
         metrics = sets.coverage_report(scan, chosen)
         metrics.update({
             "source": scan.description, "source_items": scan.total, "usable": len(scan.candidates),
@@ -106,6 +109,10 @@ def run(cfg: CalibrateConfig, ctx: StageContext) -> dict:
             "share_tv_bound": round(sets.tv_bound(metrics["nonempty_source_buckets"], len(chosen)), 6),
         })
         metrics["within_share_distance"] = metrics["share_tv_distance"] <= cfg.max_share_distance
+        # wall seconds per phase (not in report.md, which stays byte-identical between runs)
+        metrics["timings_s"] = {"read_render_measure": round(scanned - started, 2),
+                                "dedup_bucket_select": round(selected - scanned, 2),
+                                "tensors_and_save": round(written - selected, 2)}
         out.metrics.update(metrics)
         _contact_sheet(out.path / "contact_sheet.png", chosen, tensors, cfg.contact_sheet)
         _bucket_plot(out.path / "buckets.png", metrics)
