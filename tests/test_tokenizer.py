@@ -166,6 +166,9 @@ def test_cache_is_keyed_by_the_normalized_formula(trained):
     enc.encode("b")          # capacity 2: x^{2} is the least recently used and goes
     enc.encode("x^{2}")
     assert (enc.stats.hits, enc.stats.misses, enc.stats.evictions) == (2, 4, 2)
+    for i in range(20):  # the memo of request spellings stays bounded
+        enc.encode(f"x_{{{i}}}")
+    assert len(enc._keys) <= 4 * enc.capacity and len(enc) == 2
     raw = CachedEncoder(tok, capacity=8, key="raw")
     for x in ("x^{2}", "$x^{2}$", "x^{2}"):
         raw.encode(x)
@@ -181,8 +184,7 @@ def _write(path: Path, lines: list[str]) -> Path:
 def _stage_overrides(tmp_path: Path, train: Path, extra: list[str] = ()) -> list[str]:
     evals = _write(tmp_path / "eval.txt", HARD + TRAIN[:10])
     return [f"tokenizer.corpus={train}", f"tokenizer.eval_formulas={evals}", "tokenizer.vocab_size=1400",
-            "tokenizer.replay_requests=3000", "tokenizer.timing_repeats=1", "tokenizer.decode_step_ms=24",
-            *extra]
+            "tokenizer.replay_requests=3000", "tokenizer.timing_repeats=1", *extra]
 
 
 def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
@@ -193,7 +195,7 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     # two lines that are not UTF-8 are skipped and counted, not fatal
     with open(train, "ab") as f:
         f.write(b"\\alpha \xff\xfe\n\xc3(x)\n")
-    overrides = _stage_overrides(tmp_path, train)
+    overrides = _stage_overrides(tmp_path, train)  # no decode_step_ms and no evaluate artifact
     ctx = make_ctx(art, overrides)
     cfg = stage.TokenizerConfig(**ctx.section("tokenizer"))
     manifest = stage.run(cfg, ctx)
@@ -209,11 +211,20 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     assert m["cache"]["normalized"]["requests"] == 3000
     report = (folder / "report.md").read_text()
     assert "tokens / formula, mean" in report and "tokenizer_comparison.png" in report
+    # decode steps saved need no model; milliseconds need a measured step cost, none is invented
+    assert m["decode_steps_saved_vs_char"] > 0 and m["decode_step_ms"] is None
+    assert m["decode_ms_saved_vs_char"] is None and "Decoder step cost: unknown" in report
     assert manifest["outputs"]["tokenizer.json"] and manifest["inputs"]["train"]
     before = (folder / "tokenizer.json").read_bytes()
     again = stage.run(cfg, make_ctx(art, overrides + ["artifacts.force=true"]))
     assert (folder / "tokenizer.json").read_bytes() == before  # same config + seed: same bytes
     assert again["key"] == manifest["key"]
+    cfg.decode_step_ms = 24.0
+    priced = stage.run(cfg, make_ctx(art, overrides))  # a config change: trained again, priced
+    assert priced["metrics"]["decode_ms_saved_vs_char"] == pytest.approx(
+        24.0 * priced["metrics"]["decode_steps_saved_vs_char"])
+    assert "decoder ms saved / formula at 24.0 ms/step" in (folder / "report.md").read_text()
+    assert stage.run(cfg, make_ctx(art, overrides)) == priced  # unchanged: reused, not retrained
 
 
 @pytest.mark.parametrize("content, message", [

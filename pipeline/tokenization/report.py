@@ -31,9 +31,10 @@ def comparison_rows(m: dict, names: Sequence[str]) -> list[list[str]]:
         row("encode ms / formula, batched", lambda x: f"{x['batched_ms']:.4f}"),
         row("decode steps / formula (tokens + eos)", lambda x: f"{x['decode_steps_mean']:.2f}"),
         row("decode steps saved vs char-level", lambda x: f"{char_steps - x['decode_steps_mean']:.2f}"),
+    ] + ([] if step_ms is None else [
         row(f"decoder ms saved / formula at {step_ms:.1f} ms/step",
             lambda x: f"{(char_steps - x['decode_steps_mean']) * step_ms:.0f}"),
-    ]
+    ])
 
 
 def cache_rows(m: dict) -> list[list[str]]:
@@ -65,8 +66,8 @@ def write_report(folder: Path, m: dict, names: Sequence[str], examples: Sequence
         f"{m['whole_commands']} renderer commands kept whole + {m['learned_merges']} learned merges. "
         f"The plain BPE was trained with the same vocabulary size and minimum pair frequency; it has "
         f"{m['tokenizers'][names[1]]['vocab_size']} entries when no pair is frequent enough to add more. "
-        f"Decoder step cost: {m['decode_step_ms']:.1f} ms "
-        f"({m['decode_step_source']}).",
+        "Decoder step cost: " + ("unknown" if m["decode_step_ms"] is None else f"{m['decode_step_ms']:.1f} ms")
+        + f" ({m['decode_step_source']}).",
         "",
         "## Serving cache",
         "",

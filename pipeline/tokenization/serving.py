@@ -2,8 +2,10 @@
 
 Requests repeat (the same formula, often spelled differently: ``$x^2$``, ``x^2`` with other spaces),
 so the key is the tokenizer's own normalized form: every spelling the tokenizer would encode the
-same way shares one entry. The normalizer runs in Rust (a few microseconds); on a hit nothing else
-runs. Cached ids are tuples, so a caller cannot change what the next caller gets.
+same way shares one entry. Normalizing costs a few microseconds (four regex passes in Rust plus the
+Python call), more than the lookup itself, so a bounded memo maps request strings seen before to
+their key and a repeated request costs two dictionary lookups. Cached ids are tuples, so a caller
+cannot change what the next caller gets.
 """
 from __future__ import annotations
 
@@ -41,16 +43,27 @@ class CachedEncoder:
         self.capacity = capacity
         self.stats = CacheStats()
         self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._keys: dict[str, str] = {}  # request string -> normalized key, oldest dropped first
         normalizer = tokenizer.normalizer
         # "raw" keys by the request string itself: the baseline the report compares against
-        self._key = normalizer.normalize_str if (key == "normalized" and normalizer is not None) else str
+        self._normalize = normalizer.normalize_str if (key == "normalized" and normalizer is not None) else None
 
     @classmethod
     def from_file(cls, path: str | Path, capacity: int = 4096) -> "CachedEncoder":
         return cls(Tokenizer.from_file(str(path)), capacity)
 
+    def key(self, latex: str) -> str:
+        if self._normalize is None:
+            return latex
+        key = self._keys.get(latex)
+        if key is None:
+            key = self._keys[latex] = self._normalize(latex)
+            if len(self._keys) > 4 * self.capacity:  # spellings per formula are few; bound the memo
+                del self._keys[next(iter(self._keys))]
+        return key
+
     def encode(self, latex: str) -> tuple[int, ...]:
-        key = self._key(latex)
+        key = self.key(latex)
         ids = self._cache.get(key)
         if ids is not None:
             self._cache.move_to_end(key)
@@ -70,4 +83,5 @@ class CachedEncoder:
 
     def clear(self) -> None:
         self._cache.clear()
+        self._keys.clear()
         self.stats = CacheStats()
