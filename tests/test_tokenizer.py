@@ -200,7 +200,7 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     cfg = stage.TokenizerConfig(**ctx.section("tokenizer"))
     manifest = stage.run(cfg, ctx)
     folder = art / "tokenizer"
-    for name in ("tokenizer.json", "baseline_bytelevel_bpe.json", "comparison.json", "report.md",
+    for name in ("tokenizer.json", "tokenizer_config.json", "baseline_bytelevel_bpe.json", "comparison.json", "report.md",
                  "tokenizer_comparison.png", "manifest.json"):
         assert (folder / name).is_file(), name
     m = manifest["metrics"]
@@ -208,6 +208,9 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     ours = m["tokenizers"]["ours: atom BPE"]
     assert ours["commands_split"] == 0 and ours["round_trip_exact"] == 1.0
     assert m["loading"]["transformers_fast"] is True
+    from transformers import AutoTokenizer
+    auto = AutoTokenizer.from_pretrained(str(folder))  # the folder loads as a transformers tokenizer
+    assert auto.decode(auto("$\\alpha_{\\beta^{2}}$")["input_ids"], skip_special_tokens=True) == "\\alpha_{\\beta^{2}}"
     assert m["cache"]["normalized"]["requests"] == 3000
     report = (folder / "report.md").read_text()
     assert "tokens / formula, mean" in report and "tokenizer_comparison.png" in report

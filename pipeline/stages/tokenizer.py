@@ -2,7 +2,8 @@
 
 Trains on the corpus train split (default) or ``tokenizer.corpus=FILE`` (one formula per line), and
 compares on the corpus eval split (default) or ``tokenizer.eval_formulas=FILE``. Writes
-``tokenizer.json`` (loads in ``tokenizers`` and in ``transformers.PreTrainedTokenizerFast``), the
+``tokenizer.json`` + ``tokenizer_config.json`` (load in ``tokenizers`` and in
+``transformers.PreTrainedTokenizerFast.from_pretrained(folder)``), the
 baseline BPE it was compared with, ``comparison.json``, ``report.md`` and a PNG plot.
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pipeline.errors import PipelineError
 from pipeline.tokenization import compare
 from pipeline.tokenization.atoms import normalize_formula, renderer_commands
 from pipeline.tokenization.report import write_report
-from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe, train_plain_bpe
+from pipeline.tokenization.train import (BOS, EOS, PAD, SPECIALS, UNK, model_char_vocabulary, train_formula_bpe,
+                                         train_plain_bpe)
 
 NAME = "tokenizer"
 CONFIG_KEY = "tokenizer"
@@ -158,7 +160,8 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         plain = train_plain_bpe(train_norm, ours.get_vocab_size(), min_frequency=cfg.min_frequency)
         ours.save(str(out.path / TOKENIZER_FILE), pretty=True)
         plain.save(str(out.path / BASELINE_FILE), pretty=True)
-        loading = check_loading(out.path / TOKENIZER_FILE, eval_raw[:50])
+        write_transformers_config(out.path)
+        loading = check_loading(out.path, eval_raw[:50])
 
         cands = [compare.char_candidate("char-level (model today)", char_tok),
                  compare.hf_candidate("byte-level BPE (pix2tex)", plain),
@@ -218,17 +221,32 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
     return out.manifest
 
 
-def check_loading(path: Path, sample: list[str]) -> dict:
-    """Load the written file with ``tokenizers`` and ``transformers``; both must encode alike."""
+def write_transformers_config(folder: Path) -> None:
+    """``tokenizer_config.json`` beside ``tokenizer.json`` (special tokens named), so that
+    ``PreTrainedTokenizerFast.from_pretrained(folder)`` and ``AutoTokenizer`` load the folder."""
+    import shutil
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(folder / TOKENIZER_FILE), bos_token=BOS, eos_token=EOS,
+                                   pad_token=PAD, unk_token=UNK)
+    with tempfile.TemporaryDirectory() as tmp:  # only its config: tokenizer.json stays ours, byte for byte
+        fast.save_pretrained(tmp)
+        shutil.copyfile(Path(tmp) / "tokenizer_config.json", folder / "tokenizer_config.json")
+
+
+def check_loading(folder: Path, sample: list[str]) -> dict:
+    """Load the written folder with ``tokenizers`` and ``transformers``; all must encode alike."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    direct = Tokenizer.from_file(str(path))
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
-    same = all(fast(x)["input_ids"] == direct.encode(x).ids for x in sample)
-    if not same:
-        raise PipelineError(f"{path}: transformers and tokenizers encode differently")
+    direct = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
+    fast = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    for x in sample:
+        ids = fast(x)["input_ids"]
+        if ids != direct.encode(x).ids or fast.decode(ids, skip_special_tokens=True) != direct.decode(ids):
+            raise PipelineError(f"{folder}: transformers and tokenizers disagree on {x!r}")
     return {"tokenizers": True, "transformers_fast": True, "checked_formulas": len(sample)}
 
 
