@@ -76,6 +76,25 @@ def test_no_command_is_split_on_hard_cases(trained, formula):
     assert tok.decode(enc.ids) == text
 
 
+def test_random_atom_strings_keep_known_commands_whole_and_round_trip(trained):
+    """2000 seeded random concatenations of known commands (alphabet, prefixes, renderer table),
+    line breaks, control spaces, dollars, spaces and characters: no known command is ever cut."""
+    import random
+
+    tok = trained.tokenizer
+    known = {a for a in tok.get_vocab() if a.startswith("\\") and atoms(a) == [a]} | set(trained.whole_commands)
+    pool = sorted(known | set("abxyz{}^_()[]+-=,.0129 |'!") | {"\\\\", "\\ ", "\\$", "$", "  "})
+    rng = random.Random(0)
+    for _ in range(2000):
+        x = "".join(rng.choice(pool) for _ in range(rng.randint(1, 12)))
+        text = normalize_formula(x)
+        enc = tok.encode(text)
+        cuts = boundaries(enc)
+        cut = [text[s:e] for s, e in command_spans(text) if text[s:e] in known and any(s < b < e for b in cuts)]
+        assert not cut, (x, enc.tokens)
+        assert tok.decode(tok.encode(x).ids) == text, x
+
+
 def test_merges_join_atoms_into_larger_units(trained):
     tok = trained.tokenizer
     vocab = tok.get_vocab()
