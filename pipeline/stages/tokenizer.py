@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.errors import PipelineError
 from pipeline.tokenization import compare
@@ -143,6 +144,8 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
     sources, inputs = load_formulas(cfg, ctx)
     char_tok = model_char_vocabulary()
     inputs["model_vocabulary"] = ctx.model_hash("original")
+    known = renderer_commands() if cfg.renderer_commands else []
+    inputs["renderer_commands"] = sha256_json(known)  # matplotlib's tables may change between versions
     config = asdict(cfg)
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
@@ -152,7 +155,6 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         train_raw, train_norm, train_dropped = _normalized(sources["train"]["formulas"], "train")
         eval_raw, eval_norm, eval_dropped = _normalized(sources["eval"]["formulas"], "eval")
         extra = [t for t in char_tok.token_to_id if t not in SPECIALS] if cfg.include_model_chars else []
-        known = renderer_commands() if cfg.renderer_commands else []
         trained = train_formula_bpe(train_norm, cfg.vocab_size, extra_atoms=extra, known_commands=known,
                                     min_frequency=cfg.min_frequency, max_token_atoms=cfg.max_token_atoms)
         ours = trained.tokenizer
