@@ -110,7 +110,7 @@ def bucket_axes(c: Candidate, scheme: str) -> dict[str, str]:
 def measure(source_id: str, text: Optional[str], tensor) -> Optional[Candidate]:
     """Measure a preprocessed tensor [C, H, W] in [0, 1]; None when the canvas holds no ink."""
     arr = np.asarray(tensor, dtype=np.float32)
-    canvas = arr.reshape(arr.shape[-2], arr.shape[-1]) if arr.ndim == 3 and arr.shape[0] == 1 else arr.mean(axis=0)
+    canvas = arr if arr.ndim == 2 else arr.mean(axis=0)  # [C, H, W]: the mean over channels
     ink = canvas < INK_THRESHOLD / 255.0
     ys, xs = np.nonzero(ink)
     if len(xs) == 0:
@@ -281,7 +281,8 @@ class ImageFolderSource(Source):
 
     def _open(self, path: Path) -> Image.Image:
         if path.suffix.lower() not in IMAGE_SUFFIXES:
-            raise UnidentifiedImageError(f"not an image file (suffix {path.suffix or 'none'!r})")
+            raise UnidentifiedImageError(f"unsupported file type {path.suffix or '(no suffix)'!r}; "
+                                         f"reads {' '.join(sorted(IMAGE_SUFFIXES))}")
         with Image.open(path) as im:
             im.load()
             if im.width == 0 or im.height == 0:
@@ -411,20 +412,11 @@ def remove_duplicates(scan: SourceScan, near_mad: float, size_tolerance: int = 2
             scan.duplicates[c.source_id] = f"exact duplicate of {first_by_digest[c.digest]}"
             continue
         cw, ch = c.ink_width // step, c.ink_height // step
-        twin = None
-        if near_mad > 0:
-            for dw in (-1, 0, 1):
-                for dh in (-1, 0, 1):
-                    for other in cells.get((cw + dw, ch + dh), ()):
-                        if (abs(other.ink_width - c.ink_width) <= size_tolerance
-                                and abs(other.ink_height - c.ink_height) <= size_tolerance
-                                and float(np.abs(other.thumb - c.thumb).mean()) < near_mad):
-                            twin = other
-                            break
-                    if twin:
-                        break
-                if twin:
-                    break
+        neighbours = (o for dw in (-1, 0, 1) for dh in (-1, 0, 1) for o in cells.get((cw + dw, ch + dh), ()))
+        twin = next((o for o in neighbours if near_mad > 0
+                     and abs(o.ink_width - c.ink_width) <= size_tolerance
+                     and abs(o.ink_height - c.ink_height) <= size_tolerance
+                     and float(np.abs(o.thumb - c.thumb).mean()) < near_mad), None)
         if twin is not None:
             scan.duplicates[c.source_id] = f"near duplicate of {twin.source_id}"
             continue
