@@ -330,3 +330,27 @@ def test_hf_disk_source_with_text_and_a_corrupt_row(rendered, real_adapter, tmp_
     with pytest.raises(PipelineError, match="'picture' is not a column"):
         _run(_ctx(tmp_path / "art2", ["data=hf_disk", f"data.path={tmp_path / 'ds'}", "data.image_column=picture"],
                   real_adapter))
+
+
+def test_labelled_folder_is_bucketed_by_text_and_keeps_it(rendered, real_adapter, tmp_path):
+    import datasets
+
+    source, scan = rendered
+    folder = tmp_path / "labelled"
+    (folder / "nested").mkdir(parents=True)
+    lines = []
+    for i, c in enumerate(scan.candidates[:34]):
+        rel = f"nested/{i:02d}.png" if i % 2 else f"{i:02d}.png"
+        source.image(c.source_id).save(folder / rel)
+        lines.append(f"{rel}\t{c.text}")
+    lines.append("gone.png\tx^2")
+    (folder / "labels.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    m = _run(_ctx(tmp_path / "art", ["data=image_folder", f"data.path={folder}", "calibrate.size=32"],
+                  real_adapter))["metrics"]
+    assert m["scheme"] == "text" and m["usable"] == 34
+    assert m["skipped_items"] == {"gone.png": "labelled but no such file"}
+    assert all(k.startswith("L") for k in m["buckets"])
+    ds = datasets.load_from_disk(str(tmp_path / "art" / "calibrate" / "calib_set"))
+    truth = dict(line.split("\t") for line in lines)
+    assert all(row["text"] == truth[row["source_id"]] for row in ds)
