@@ -146,13 +146,25 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def idle_cores() -> int:
+    """Cores this process may use minus the 1-minute load (at least 1): on a machine already busy
+    with other work a pool only adds start-up and transfer cost (measured: docs/calibrate.md)."""
+    cores = available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return cores
+    return max(1, min(cores, int(cores - load + 1)))
+
+
 def render_many(latexes: Sequence[str], workers: int = 0, progress: bool = True,
                 min_parallel: int = 64) -> list[Image.Image | RenderError]:
-    """Render formulas in order; a process pool over the available cores when there are enough.
+    """Render formulas in order; a process pool when there are enough formulas and idle cores
+    (``workers=0``) or ``workers`` processes.
 
     ``imap`` keeps the input order, so the result does not depend on which worker rendered what.
     """
-    workers = workers or available_cores()
+    workers = workers or idle_cores()
     bar = tqdm(total=len(latexes), desc="render", unit="formula", disable=not progress)
     results: list[Image.Image | RenderError] = []
 

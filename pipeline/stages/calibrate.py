@@ -36,7 +36,7 @@ class CalibrateConfig:
     model: str = "original"          # whose preprocessing makes the tensors (original | stage | folder)
     near_duplicate: float = 0.02     # 16x64 ink thumbnails closer than this (mean |diff|, 0-1) are near duplicates; 0 = exact only
     max_share_distance: float = 0.1  # stated limit on the total-variation distance of bucket shares (set vs source)
-    workers: int = 0                 # render processes; 0 = the cores this process may use
+    workers: int = 0                 # render processes; 0 = the idle cores (cores - 1-min load, at least 1)
     contact_sheet: int = 48          # images shown in contact_sheet.png
     name: str = "calibrate"          # artifact folder
 
