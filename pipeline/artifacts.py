@@ -114,6 +114,7 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
             "seconds": round(time.time() - started, 2),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an artifact folder is meant to be shared
         _replace_dir(tmp, final)
         out.path = final
         out.manifest = manifest
@@ -123,8 +124,10 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
 
 
 def _outputs_intact(folder: Path, manifest: dict[str, Any]) -> bool:
-    for rel in manifest.get("outputs", {}):
-        if not (folder / rel).is_file():
+    """Every recorded output still there with its recorded sha256 (a truncated file is not reused)."""
+    for rel, digest in manifest.get("outputs", {}).items():
+        path = folder / rel
+        if not path.is_file() or sha256_file(path) != digest:
             return False
     return True
 
@@ -156,6 +159,7 @@ def atomic_write_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
             yield tmp
+            os.chmod(tmp, 0o755)
             _replace_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -48,7 +48,11 @@ def test_reuse_when_unchanged_rerun_when_changed_or_forced(tmp_path):
     assert (tmp_path / "demo" / "result.txt").read_text() == "third"
 
 
-def test_missing_output_file_is_not_reused(tmp_path):
+def test_missing_or_altered_output_file_is_not_reused(tmp_path):
     _write(tmp_path, "first")
     (tmp_path / "demo" / "result.txt").unlink()
     assert not _write(tmp_path, "again").reused
+    (tmp_path / "demo" / "result.txt").write_text("truncat")
+    assert not _write(tmp_path, "again").reused
+    assert (tmp_path / "demo" / "result.txt").read_text() == "again"
+    assert (tmp_path / "demo").stat().st_mode & 0o777 == 0o755

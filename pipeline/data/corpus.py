@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import multiprocessing
+import os
 import re
 import warnings
 from dataclasses import asdict, dataclass
@@ -40,26 +42,64 @@ class Formula:
     source: str      # package/relative/path.py
 
 
-def iter_docstring_formulas(package: str) -> Iterator[tuple[str, str]]:
-    """(formula, source file) for each math role / directive in ``package``'s string literals."""
+def package_files(package: str) -> list[tuple[str, str]]:
+    """(absolute path, path relative to the distribution) of every .py file of ``package``."""
     try:
         dist = metadata.distribution(package)
     except metadata.PackageNotFoundError:
         raise PipelineError(f"corpus package {package!r} is not installed") from None
-    files = sorted(f for f in (dist.files or []) if str(f).endswith(".py"))
-    for rel in files:
-        path = Path(dist.locate_file(rel))
-        try:
-            text = path.read_text(encoding="utf-8")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                tree = ast.parse(text)
-        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "math:" in node.value:
-                for formula in extract_math(node.value):
-                    yield formula, str(rel)
+    files = sorted(str(f) for f in (dist.files or []) if str(f).endswith(".py"))
+    return [(str(dist.locate_file(rel)), rel) for rel in files]
+
+
+def file_formulas(path: str) -> list[str]:
+    """Formulas in the string literals of one source file (parsed with ``ast``, never imported)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text)
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return []
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "math:" in node.value:
+            found.extend(extract_math(node.value))
+    return found
+
+
+def iter_docstring_formulas(package: str) -> Iterator[tuple[str, str]]:
+    """(formula, source file) for each math role / directive in ``package``'s string literals."""
+    for path, rel in package_files(package):
+        for formula in file_formulas(path):
+            yield formula, rel
+
+
+def _render_size(latex: str) -> tuple[int, int] | None:
+    try:
+        img = render_formula(latex)
+    except RenderError:
+        return None
+    return img.width, img.height
+
+
+def _pool_map(fn, items: list, workers: int, desc: str, progress: bool) -> list:
+    """Ordered parallel map (deterministic: results come back in input order)."""
+    bar = tqdm(total=len(items), desc=desc, disable=not progress)
+    if workers <= 1 or len(items) < 64:
+        out = []
+        for it in items:
+            out.append(fn(it))
+            bar.update()
+    else:
+        ctx = multiprocessing.get_context("fork")  # workers only parse and render: no torch in them
+        with ctx.Pool(workers) as pool:
+            out = []
+            for r in pool.imap(fn, items, chunksize=16):
+                out.append(r)
+                bar.update()
+    bar.close()
+    return out
 
 
 def extract_math(doc: str) -> list[str]:
@@ -113,27 +153,29 @@ def assign_split(norm: str, seed: int, shares: dict[str, float]) -> str:
 
 
 def build_corpus(packages: Iterable[str], seed: int, shares: dict[str, float], min_chars: int,
-                 max_chars: int, max_width_px: int, max_height_px: int, progress: bool = True) -> list[Formula]:
+                 max_chars: int, max_width_px: int, max_height_px: int, progress: bool = True,
+                 workers: int | None = None) -> list[Formula]:
     """Extract, filter (renderable, size), de-duplicate and split. Deterministic for pinned packages."""
     total = sum(shares.get(s, 0.0) for s in SPLITS)
     if abs(total - 1.0) > 1e-6:
         raise PipelineError(f"data split shares must sum to 1, got {total}")
+    workers = workers or os.cpu_count() or 1
+    files = [(pkg, path, rel) for pkg in packages for path, rel in package_files(pkg)]
+    per_file = _pool_map(file_formulas, [f[1] for f in files], workers, "read docstrings", progress)
     seen: dict[str, tuple[str, str]] = {}
-    for package in packages:
-        for latex, source in iter_docstring_formulas(package):
+    for (package, _, rel), found in zip(files, per_file):
+        for latex in found:
             if not keep(latex, min_chars, max_chars):
                 continue
             norm = normalize(latex)
             if norm not in seen:
-                seen[norm] = (latex, f"{package}/{source}")
+                seen[norm] = (latex, f"{package}/{rel}")
+    candidates = sorted(seen.items())
+    sizes = _pool_map(_render_size, [latex for _, (latex, _) in candidates], workers, "render-check corpus", progress)
     formulas: list[Formula] = []
-    for norm, (latex, source) in tqdm(sorted(seen.items()), desc="render-check corpus", disable=not progress):
-        try:
-            img = render_formula(latex)
-        except RenderError:
-            continue
-        if img.width > max_width_px or img.height > max_height_px:
-            continue  # would have to shrink below the scale the model reads
+    for (norm, (latex, source)), size in zip(candidates, sizes):
+        if size is None or size[0] > max_width_px or size[1] > max_height_px:
+            continue  # unrenderable, or would have to shrink below the scale the model reads
         fid = hashlib.sha1(norm.encode()).hexdigest()[:12]
         formulas.append(Formula(fid, latex, norm, assign_split(norm, seed, shares), source))
     return formulas
