@@ -43,9 +43,25 @@ class BuiltGraphs:
     violations: list[Violation] = field(default_factory=list)
 
 
-def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress) -> BuiltGraphs:
+_EXPORTED: dict[tuple[str, int], dict[str, bytes]] = {}
+
+
+def exported_graphs(adapter, opset: int, model_key: Optional[str]) -> dict[str, onnx.ModelProto]:
+    """torch -> ONNX, memoized in-process by (model hash, opset): exporting for several targets in one
+    process (tests, notebooks) traces the model once."""
+    key = (model_key, opset) if model_key else None
+    if key is None or key not in _EXPORTED:
+        raw = og.export_graphs(adapter.model.eval(), adapter.input_shape, opset)
+        if key is None:
+            return raw
+        _EXPORTED[key] = {g: m.SerializeToString() for g, m in raw.items()}
+    return {g: onnx.load_from_string(b) for g, b in _EXPORTED[key].items()}
+
+
+def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress,
+                 model_key: Optional[str] = None) -> BuiltGraphs:
     model = adapter.model.eval()
-    raw = og.export_graphs(model, adapter.input_shape, target.opset)
+    raw = exported_graphs(adapter, target.opset, model_key)
     progress("exported")
     hist: dict[str, dict[str, dict[str, int]]] = {g: {"exported": og.op_histogram(m)} for g, m in raw.items()}
     precision = {g: ("fp16" if target.fp16_weights else "fp32") for g in raw}

@@ -95,6 +95,9 @@ def _check_qdq(node, name, graph, rules: Rules, const, producer) -> list[Violati
             found.append(Violation(graph, name, node.op_type, "zero point is not a constant"))
         elif zp is None:
             found.append(Violation(graph, name, node.op_type, "no zero point: defaults to uint8, need symmetric int8"))
+        elif zp.dtype == np.int32 and node.op_type == "DequantizeLinear" and const(node.input[0]) is not None:
+            if np.any(zp != 0):  # an int32 bias (scale = input scale x weight scale) is fine when symmetric
+                found.append(Violation(graph, name, node.op_type, "asymmetric int32 bias (zero point != 0)"))
         elif zp.dtype != np.int8:
             found.append(Violation(graph, name, node.op_type, f"{zp.dtype} quantization, need symmetric int8"))
         elif np.any(zp != 0):
@@ -104,7 +107,7 @@ def _check_qdq(node, name, graph, rules: Rules, const, producer) -> list[Violati
     is_weight = node.op_type == "DequantizeLinear" and const(node.input[0]) is not None
     if is_weight and rules.per_channel_weights:
         w = const(node.input[0])
-        if w.ndim >= 2 and scale.size == 1:
+        if w.ndim >= 2 and w.dtype != np.int32 and scale.size == 1:
             found.append(Violation(graph, name, node.op_type, "per-tensor weight scale, need per-channel"))
     if node.op_type == "QuantizeLinear" and rules.per_tensor_activations and scale.size != 1:
         found.append(Violation(graph, name, node.op_type, f"per-channel activation scale ({scale.size}), need per-tensor"))

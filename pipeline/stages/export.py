@@ -108,7 +108,7 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
             _print_summary(out.metrics)
             return out.manifest
         bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
-        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update())
+        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update(), inputs["model"])
         bar.close()
         if built.violations:
             shown = "; ".join(str(v) for v in built.violations[:5])
@@ -126,12 +126,15 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
             raise PipelineError("no parity formula could be rendered")
         truth_ids = [adapter.encode_text(latex)[:max_length] for _, latex, _ in calib_items]
         tensors = tensor_parity(adapter, package, torch.stack([x[2] for x in calib_items]), truth_ids)
-        tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
-                              [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress)
         level = "int8" if any("int8" in p for p in meta["precision"].values()) else \
             ("fp16" if any("fp16" in p for p in meta["precision"].values()) else "fp32")
         tol = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else v) for k, v in TOLERANCES[level].items()}
+        failures = check_tolerances(tensors, None, **tol)
+        if failures:  # fail before the costly greedy decoding
+            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+        tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
+                              [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
+                              progress=ctx.progress)
         failures = check_tolerances(tensors, tokens, **tol)
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
         metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tensors": tensors,

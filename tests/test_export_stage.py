@@ -1,0 +1,185 @@
+"""The export stage on the real model: ORT CPU package and its parity, a Metax package from a QDQ
+encoder, the rule-breaking and parity-failure paths (no package folder written)."""
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.errors import PipelineError
+from tests.conftest import make_ctx
+
+# formulas the shipped model reads correctly at this cap (BOS included)
+FORMULAS = [r"x_1 + x_2", r"e^{i\pi}+1=0"]
+MAX_LENGTH = 64
+
+
+@functools.lru_cache(maxsize=None)
+def artifacts_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="export-test-"))
+    (root / "formulas.txt").write_text("\n".join(FORMULAS) + "\n")
+    return root
+
+
+def run_export(*overrides: str):
+    """Run the export stage in-process with a small parity subset; returns its manifest."""
+    from pipeline.stages import export
+
+    root = artifacts_root()
+    settings = {"export.formulas": str(root / "formulas.txt"), "model.max_length": str(MAX_LENGTH),
+                "export.parity_images": "2", "export.parity_limit": "2"}
+    settings.update(o.split("=", 1) for o in overrides)
+    ctx = make_ctx(root, [f"{k}={v}" for k, v in settings.items()])
+    return export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+
+
+@functools.lru_cache(maxsize=None)
+def ort_package() -> Path:
+    """The real model exported once per session for ORT CPU (shared with test_infer.py)."""
+    run_export("target=ort_cpu")
+    return artifacts_root() / "export-ort_cpu"
+
+
+@pytest.fixture(scope="module")
+def ort_pkg() -> Path:
+    return ort_package()
+
+
+def test_ort_cpu_package_is_complete_and_matches_torch(ort_pkg):
+    meta = json.loads((ort_pkg / "package.json").read_text())
+    for name in ("encoder.onnx", "decoder_first.onnx", "decoder_step.onnx", "tokenizer.json", "preprocess.json",
+                 "provider_options.json", "report.md", "op_histogram.png", "manifest.json", "parity.json"):
+        assert (ort_pkg / name).is_file(), name
+    assert meta["max_length"] == MAX_LENGTH and meta["num_layers"] == 4
+    parity = json.loads((ort_pkg / "parity.json").read_text())
+    assert parity["tokens"]["n"] == 2
+    assert parity["tokens"]["identical"] == 1.0
+    for name in ("encoder.memory", "decoder_first.logits", "decoder_step.logits"):
+        assert parity["tensors"][name]["cosine"] > 0.9999, name
+    encoder = onnx.load(str(ort_pkg / "encoder.onnx"))
+    ops = {n.op_type for n in encoder.graph.node}
+    assert "SkipLayerNormalization" in ops and "LayerNormalization" in ops  # fused, not decomposed
+    report = (ort_pkg / "report.md").read_text()
+    assert "com.microsoft.SkipLayerNormalization" in report and "| op | exported | simplified | fused |" in report
+    manifest = json.loads((ort_pkg / "manifest.json").read_text())
+    assert "encoder.onnx" in manifest["outputs"]
+
+
+def test_same_config_reuses_the_package(ort_pkg):
+    before = (ort_pkg / "manifest.json").read_text()
+    run_export("target=ort_cpu")
+    assert (ort_pkg / "manifest.json").read_text() == before
+
+
+def test_parity_beyond_tolerance_names_the_output_and_writes_nothing():
+    with pytest.raises(PipelineError, match=r"parity beyond tolerance for ort_cpu: encoder\.memory: SNR .* < 1000"):
+        run_export("target=ort_cpu", "export.name=too-strict", "export.min_snr_db=1000", "export.simplify=false")
+    assert not (artifacts_root() / "too-strict").exists()
+    assert not list(artifacts_root().glob(".tmp-too-strict-*"))
+
+
+def _qdq_encoder(float_encoder: Path, out: Path, symmetric: bool) -> Path:
+    """A QDQ encoder made the way a quantize stage would: ONNX Runtime's quantize_static."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    from pipeline.adapters import load_adapter
+    from pipeline.data.render import render_formula
+
+    adapter = load_adapter("latex_ocr_junia", "package")
+    images = [adapter.preprocess(render_formula(f))[None].numpy() for f in FORMULAS[:2]]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter({"images": im} for im in images)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    model = onnx.load(str(float_encoder))
+    weights = {t.name for t in model.graph.initializer}
+    # the q/k/v projections only: q.k / probs.v stay float, and the MLPs too (their INT8
+    # activations drop the memory's cosine to about 0.72 even on the calibration image)
+    exclude = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Conv")
+               and not (any(f"/attn/{p}_proj/" in n.name for p in "qkv") and set(n.input) & weights)]
+    quantize_static(str(float_encoder), str(out), Reader(), quant_format=QuantFormat.QDQ, nodes_to_exclude=exclude,
+                    activation_type=QuantType.QInt8 if symmetric else QuantType.QUInt8,
+                    weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul", "Conv"],
+                    extra_options={"ActivationSymmetric": symmetric, "WeightSymmetric": True})
+    return out
+
+
+@pytest.fixture(scope="module")
+def float_encoder(tmp_path_factory) -> Path:
+    """The exported float encoder before fusions (plain ONNX ops, what a quantizer starts from)."""
+    import torch
+
+    from pipeline.adapters import load_adapter
+    from pipeline.export.onnx_graphs import _to_model
+    from pipeline.export.graphs import EncoderGraph
+
+    adapter = load_adapter("latex_ocr_junia", "package")
+    m = _to_model(EncoderGraph(adapter.model), (torch.rand(1, *adapter.input_shape),),
+                  {"inputs": ["images"], "outputs": ["memory"]}, {"images": {0: "batch"}, "memory": {0: "batch"}}, 17)
+    path = tmp_path_factory.mktemp("qdq") / "encoder.float.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+def test_metax_refuses_an_asymmetric_qdq_encoder_naming_the_node(float_encoder):
+    qdq = _qdq_encoder(float_encoder, float_encoder.with_name("encoder.asym.onnx"), symmetric=False)
+    with pytest.raises(PipelineError, match=r"metax package breaks its runtime's rules: encoder: node '.*' "
+                                            r"\((QuantizeLinear|DequantizeLinear)\): uint8 quantization"):
+        run_export("target=metax", f"export.qdq_encoder={qdq}", "export.name=metax-asym")
+    assert not (artifacts_root() / "metax-asym").exists()
+
+
+def test_metax_package_from_symmetric_qdq_passes_validator_and_parity(float_encoder):
+    from pipeline.export.targets import resolve_target
+    from pipeline.export.validator import validate
+    from tests.conftest import compose_cfg
+
+    qdq = _qdq_encoder(float_encoder, float_encoder.with_name("encoder.sym.onnx"), symmetric=True)
+    run_export("target=metax", f"export.qdq_encoder={qdq}", "export.parity_limit=1")
+    pkg = artifacts_root() / "export-metax"
+    rules = resolve_target(compose_cfg(["target=metax"]).target).rules
+    for g in ("encoder", "decoder_first", "decoder_step"):
+        m = onnx.load(str(pkg / f"{g}.onnx"))
+        assert validate(m, rules, g) == []
+        assert m.ir_version <= 8 and all(o.version <= 17 for o in m.opset_import if o.domain in ("", "ai.onnx"))
+        assert not any(n.domain == "com.microsoft" for n in m.graph.node)
+        assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer), g
+        assert sum(n.op_type == "LayerNormalization" for n in m.graph.node) >= 2, g
+    enc = onnx.load(str(pkg / "encoder.onnx"))
+    assert any(n.op_type == "DequantizeLinear" for n in enc.graph.node)
+    opts = json.loads((pkg / "provider_options.json").read_text())
+    assert opts["provider"] == "MACAExecutionProvider"
+    assert set(opts["options"]) >= {"device_id", "gpu_mem_limit", "enable_cuda_graph"}
+    parity = json.loads((pkg / "parity.json").read_text())
+    assert parity["precision"]["encoder"] == "int8 qdq + fp16"
+    assert np.isfinite(parity["tensors"]["encoder.memory"]["snr_db"])
+    assert "PASS" in (pkg / "report.md").read_text()
+
+
+def test_tensorrt_commands_are_written_beside_the_onnx(ort_pkg, tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline.export.tensorrt import tensorrt_available
+    from pipeline.stages.export import ExportConfig, _tensorrt
+
+    meta = json.loads((ort_pkg / "package.json").read_text())
+    models = {g: onnx.load(str(ort_pkg / f"{g}.onnx"), load_external_data=False) for g in meta["graphs"]}
+    info = _tensorrt(ExportConfig(trt_max_batch=4), tmp_path, meta, SimpleNamespace(models=models))
+    script = (tmp_path / "build_engines.sh").read_text().splitlines()
+    cmds = [ln for ln in script if ln.startswith("trtexec ")]
+    assert [c.split()[1] for c in cmds] == ["--onnx=encoder.onnx", "--onnx=decoder_first.onnx", "--onnx=decoder_step.onnx"]
+    assert all("--fp16" in c and "--int8" not in c for c in cmds)  # float graphs: no Q/DQ, no INT8
+    assert "--maxShapes=images:4x1x128x512" in cmds[0]
+    assert f"past_key_0:4x8x{MAX_LENGTH - 1}x32" in cmds[2]
+    if not tensorrt_available():
+        assert info == {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
