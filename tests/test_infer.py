@@ -1,0 +1,104 @@
+"""The runner on a small real subset: ``stage=infer`` reads rendered formulas with the exported
+package alone, batched or not; bad input is one clear error; the latency benchmark reports."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.data.render import render_formula
+from pipeline.errors import PipelineError
+from pipeline.metrics import normalize
+from tests.conftest import make_ctx, run_cli
+from test_export_stage import FORMULAS, MAX_LENGTH, artifacts_root, ort_package  # one export per session
+
+
+@pytest.fixture(scope="module")
+def pkg():
+    return ort_package()
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    for i, latex in enumerate(FORMULAS):
+        render_formula(latex).save(folder / f"f{i}.png")
+    (folder / "notes.txt").write_text("not an image")
+    return folder
+
+
+def test_infer_cli_reads_rendered_formulas_with_the_package_alone(pkg, image_dir, tmp_path):
+    out = tmp_path / "predictions.tsv"
+    proc = run_cli("stage=infer", f"package={pkg}", f"image={image_dir}", f"infer.output={out}", "progress=false")
+    assert proc.returncode == 0, proc.stderr
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert [ln.split("\t")[0] for ln in lines] == ["f0.png", "f1.png"]
+    for line, truth in zip(lines, FORMULAS):
+        assert normalize(line.split("\t", 1)[1]) == normalize(truth), line
+    assert lines[0] in proc.stdout
+
+
+def test_runner_batched_equals_single_and_torch(pkg, image_dir, real_adapter):
+    from PIL import Image
+
+    from pipeline.export.runtime import OnnxPackage
+
+    package = OnnxPackage(pkg, threads=1)
+    images = [Image.open(p) for p in sorted(image_dir.glob("*.png"))]
+    batched = package.read_images(images, batch_size=2)
+    single = [package.read_images([im], batch_size=1).texts[0] for im in images]
+    assert batched.texts == single
+    # the runner's own preprocessing and tokenizer equal the adapter's
+    arr = np.stack([package.preprocess(im) for im in images])
+    torch_in = np.stack([real_adapter.preprocess(im).numpy() for im in images])
+    np.testing.assert_array_equal(arr, torch_in)
+    assert batched.texts == [real_adapter.decode_text(ids) for ids in batched.token_ids]
+    assert batched.hit_cap == [False, False] and max(batched.steps) < MAX_LENGTH
+
+
+def test_infer_bad_input_is_one_clear_error(pkg, image_dir, tmp_path):
+    from pipeline.stages import infer
+
+    def run(package, image):
+        ctx = make_ctx(tmp_path, [f"package={package}", f"image={image}"])
+        return infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)
+
+    with pytest.raises(PipelineError, match="not an exported package"):
+        run(tmp_path, image_dir)
+    with pytest.raises(PipelineError, match="no such file or folder"):
+        run(pkg, tmp_path / "missing.png")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PipelineError, match="no image"):
+        run(pkg, empty)
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not a png")
+    with pytest.raises(PipelineError, match="no readable image"):
+        run(pkg, bad)
+    # an incomplete package names the missing graph
+    import shutil
+
+    broken = tmp_path / "broken-pkg"
+    shutil.copytree(pkg, broken)
+    (broken / "decoder_step.onnx").unlink()
+    with pytest.raises(PipelineError, match="decoder_step.onnx missing"):
+        run(broken, image_dir)
+
+
+def test_benchmark_reports_latency_ratios(pkg):
+    from pipeline.stages import benchmark
+
+    root = artifacts_root()
+    ctx = make_ctx(root, [f"benchmark.package={pkg}", f"benchmark.formulas={root / 'formulas.txt'}",
+                          "benchmark.samples=1", "benchmark.warmup=0", f"model.max_length={MAX_LENGTH}"])
+    manifest = benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)
+    m = manifest["metrics"]
+    folder = root / "benchmark-export-ort_cpu"
+    assert (folder / "report.md").is_file() and (folder / "latency.png").is_file()
+    assert m["n"] == 1 and m["identical_tokens"] == 1.0
+    assert m["speedup_total"] == round(m["torch_total_ms"] / m["onnx_total_ms"], 2)
+    rows = json.loads((folder / "latency.json").read_text())["rows"]
+    assert rows[0]["steps_torch"] == rows[0]["steps_onnx"]
+    assert f"{m['speedup_total']}x" in (folder / "report.md").read_text()
