@@ -71,7 +71,9 @@ class OnnxPackage:
         available = ort.get_available_providers()
         # the reference runtime: a package for another accelerator is checked on ORT CPU here
         self.provider = wanted if wanted in available else "CPUExecutionProvider"
-        providers = [self.provider] if self.provider == "CPUExecutionProvider" else [self.provider, "CPUExecutionProvider"]
+        options = self.meta.get("provider_options") or {}
+        providers = ["CPUExecutionProvider"] if self.provider == "CPUExecutionProvider" \
+            else [(self.provider, {k: str(v) for k, v in options.items()}), "CPUExecutionProvider"]
         so = ort.SessionOptions()
         if threads:
             so.intra_op_num_threads = int(threads)
