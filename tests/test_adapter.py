@@ -85,3 +85,13 @@ def test_batched_decoding_equals_one_by_one(real_adapter):
     assert batched.token_ids == single
     assert all(s == len(t) for s, t in zip(batched.steps, batched.token_ids))
     assert batched.encoder_seconds > 0 and batched.decoder_seconds > 0
+
+
+@pytest.mark.slow
+def test_kv_cached_decoding_gives_the_same_tokens(real_adapter):
+    formulas = [r"\frac{a}{b}+c", r"\sum_{i=1}^{n} x_{i}", r"\alpha_{1}^{2}", r"\sqrt{x+1}"]
+    x = torch.stack([real_adapter.preprocess(render_formula(f)) for f in formulas])
+    full = real_adapter.generate(x, max_length=70, batch_size=4)
+    cached = real_adapter.generate(x, max_length=70, batch_size=4, use_cache=True)
+    assert cached.token_ids == full.token_ids
+    assert cached.hit_cap == full.hit_cap

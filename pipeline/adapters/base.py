@@ -10,7 +10,7 @@ import abc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import torch
 from PIL import Image
@@ -110,14 +110,27 @@ class ModelAdapter(abc.ABC):
     def banned_token_ids(self) -> list[int]:
         return [self.pad_id, self.bos_id]
 
+    def cached_decoder(self) -> Any | None:
+        """A KV-cached decoder (``cross_kv(memory)``, ``run(tokens, past, cross, causal)``), or None.
+
+        The shipped decoder re-runs the whole prefix (and re-projects the encoder memory) at every
+        step; the cached one computes the same function in O(1) per step.
+        """
+        return None
+
     @torch.no_grad()
     def generate(self, images: torch.Tensor, max_length: int, batch_size: int = 16,
-                 progress: Callable[[int], None] | None = None) -> DecodeResult:
+                 progress: Callable[[int], None] | None = None, use_cache: bool = False) -> DecodeResult:
         """Greedy decoding in batches; finished rows leave the batch so they cost nothing.
 
         ``max_length`` caps the sequence including BOS, as the package's own ``generate`` does.
+        ``use_cache``: decode with the adapter's KV-cached decoder (same function, far fewer FLOPs);
+        the default re-runs the whole prefix at each step, as the shipped model does.
         """
         self.model.eval()
+        cached = self.cached_decoder() if use_cache else None
+        if use_cache and cached is None:
+            raise ValueError(f"adapter {self.family!r} has no KV-cached decoder")
         all_ids: list[list[int]] = []
         steps: list[int] = []
         capped: list[bool] = []
@@ -132,8 +145,14 @@ class ModelAdapter(abc.ABC):
             seqs = torch.full((n, 1), self.bos_id, dtype=torch.long)
             out: list[list[int] | None] = [None] * n
             active = torch.arange(n)
+            past: list[torch.Tensor] = []
+            cross = cached.cross_kv(memory) if cached is not None else []
             for _ in range(max_length - 1):
-                logits = self.decode_logits(seqs, memory)[:, -1, :].float()
+                if cached is None:
+                    logits = self.decode_logits(seqs, memory)[:, -1, :].float()
+                else:
+                    logits, past = cached.run(seqs[:, -1:] if past else seqs, past, cross, causal=True)
+                    logits = logits.float()
                 logits[:, banned] = float("-inf")
                 nxt = logits.argmax(-1)
                 seqs = torch.cat([seqs, nxt[:, None]], dim=1)
@@ -143,6 +162,8 @@ class ModelAdapter(abc.ABC):
                         out[int(active[row])] = seqs[row, 1:].tolist()
                     keep = ~done
                     seqs, memory, active = seqs[keep], memory[keep], active[keep]
+                    past = [t[keep] for t in past]
+                    cross = [t[keep] for t in cross]
                     if active.numel() == 0:
                         break
             for row, idx in enumerate(active.tolist()):  # stopped by the cap

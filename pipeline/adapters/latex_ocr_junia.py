@@ -212,6 +212,11 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         return self.model.decode(tokens, memory)
 
+    def cached_decoder(self):
+        from pipeline.adapters.kv_cache import CachedDecoder
+
+        return CachedDecoder(self.model).eval()
+
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:
         return [int(block.attn.num_heads) for block in self.model.encoder_blocks]
