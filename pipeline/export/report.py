@@ -56,7 +56,7 @@ def write_report(folder: Path, meta: dict, histograms: dict, metrics: dict, rows
         "teacher-forced on the true tokens, so each decoder row measures the decoder alone. "
         "Parity runs on ONNX Runtime CPU, the reference runtime for every target.\n",
         markdown_table(["output", "images", "max abs", "cosine", "SNR dB"], tensor_rows),
-        f"\nTolerances ({'/'.join(meta['precision'].values())}): cosine >= {tol['min_cosine']}, "
+        f"\nTolerances for the least precise graph ({metrics['tolerance_level']}): cosine >= {tol['min_cosine']}, "
         f"SNR >= {tol['min_snr_db']} dB, identical greedy tokens >= {tol['min_identical']}.\n",
         "\n## Greedy decoding vs torch\n",
         f"On {scope}, same cap for both.\n",

@@ -137,7 +137,8 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
                               progress=ctx.progress)
         failures = check_tolerances(tensors, tokens, **tol)
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
-        metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tensors": tensors,
+        metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
+                   "tolerance_level": level, "tensors": tensors,
                    "tokens": tokens.as_dict(), "eval_source": eval_source,
                    "parity_limit": cfg.parity_limit, "eval_available": len(evals), "max_length": max_length,
                    "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
