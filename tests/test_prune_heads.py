@@ -123,6 +123,16 @@ def test_hf_style_attention_pruning(kind):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert not torch.allclose(got, full, atol=1e-4)
     assert count.encoder_flops(enc) < before
+    # the same recovery code refits HF blocks
+    from pipeline.pruning import recover
+
+    x8 = torch.rand(8, 3, 32, 32)
+    with torch.no_grad():
+        before = (enc.encode(x8) - ref.encode(x8)).norm()
+    report = recover.refit(enc, ref, x8, [0, 1], ridge=1e-4, batch_size=4)
+    assert report[1]["attn_rel_error_after"] < report[1]["attn_rel_error_before"]
+    with torch.no_grad():
+        assert (enc.encode(x8) - ref.encode(x8)).norm() < before
     # the same scoring code reads HF projections
     l2 = scores.l2_scores([enc.encoder_attention(i) for i in range(2)])
     assert [len(r) for r in l2] == [3, 2]
@@ -185,7 +195,10 @@ def test_refit_reduces_attention_error(tiny):
     pruned.remove_encoder_heads({0: [1, 2]})
     x = torch.rand(6, *tiny.input_shape)
     report = recover.refit(pruned, tiny, x, [0, 1], ridge=1e-4, batch_size=3)
-    assert report[0]["rel_error_after"] < report[0]["rel_error_before"]
+    for layer in (0, 1):
+        for part in ("attn", "mlp"):
+            assert report[layer][f"{part}_rel_error_after"] <= report[layer][f"{part}_rel_error_before"]
+    assert report[0]["attn_rel_error_after"] < report[0]["attn_rel_error_before"]
     with torch.no_grad():
         after = (pruned.encode(x) - tiny.encode(x)).norm()
     raw = copy.copy(tiny)

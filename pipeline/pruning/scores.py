@@ -4,9 +4,14 @@
 * ``l2_qkvo``: the same plus the head's columns of the output projection.
 * ``random``: seeded uniform scores, the baseline every criterion must beat.
 * ``gradient``: Michel et al. (2019), "Are Sixteen Heads Really Better than One?": the absolute
-  gradient of the label loss with respect to a per-head gate, summed over rendered formulas.
-* ``ablation``: the ground truth: the increase of the teacher-forced label loss when that one
-  head alone is switched off.
+  gradient of the loss with respect to a per-head gate, summed over rendered formulas.
+* ``ablation``: the ground truth: the increase of the teacher-forced loss when that one head
+  alone is switched off.
+
+The loss of ``gradient`` and ``ablation`` is the cross-entropy against the original model's own
+greedy reading of the rendered formula (:func:`own_predictions`): with the corpus labels, whose
+spelling the model often does not reproduce, the per-head loss changes were dominated by formulas
+the model misreads anyway and had the wrong sign for heads whose removal ruins exact match.
 """
 from __future__ import annotations
 
@@ -46,7 +51,11 @@ def random_scores(head_counts: Sequence[int], seed: int) -> list[list[float]]:
 
 def label_batch(adapter, latex: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forcing inputs and targets (pad-filled) for formulas."""
-    ids = [adapter.encode_text(t) for t in latex]
+    return id_batch(adapter, [adapter.encode_text(t) for t in latex])
+
+
+def id_batch(adapter, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forcing inputs and targets (pad-filled) for token id sequences BOS ... EOS."""
     width = max(len(x) for x in ids) - 1
     inp = torch.full((len(ids), width), adapter.pad_id, dtype=torch.long)
     tgt = torch.full((len(ids), width), adapter.pad_id, dtype=torch.long)
@@ -54,6 +63,14 @@ def label_batch(adapter, latex: Sequence[str]) -> tuple[torch.Tensor, torch.Tens
         inp[r, :len(x) - 1] = torch.tensor(x[:-1])
         tgt[r, :len(x) - 1] = torch.tensor(x[1:])
     return inp, tgt
+
+
+@torch.no_grad()
+def own_predictions(adapter, images: torch.Tensor, max_length: int, batch_size: int = 8) -> list[list[int]]:
+    """The model's own greedy outputs as targets (BOS ... EOS): a head matters when switching it
+    off changes what the model reads, whether or not the reading was right."""
+    result = adapter.generate(images, max_length=max_length, batch_size=batch_size)
+    return [[adapter.bos_id, *ids] for ids in result.token_ids]
 
 
 def label_loss(adapter, images: torch.Tensor, inp: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -66,7 +83,7 @@ def _batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def gradient_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, latex: Sequence[str],
+def gradient_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, targets: Sequence[Sequence[int]],
                     batch_size: int = 4, progress: bool = False) -> list[list[float]]:
     """|dL/dgate| per head, summed over batches (Michel et al.); the model's weights get no grad."""
     model = adapter.model
@@ -80,7 +97,7 @@ def gradient_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, l
     try:
         with head_gates(attns, gates):
             for sl in tqdm(_batches(len(images), batch_size), desc="head gradients", disable=not progress):
-                inp, tgt = label_batch(adapter, latex[sl])
+                inp, tgt = id_batch(adapter, targets[sl])
                 loss = label_loss(adapter, images[sl], inp, tgt)
                 grads = torch.autograd.grad(loss, gates)
                 for t, g in zip(total, grads):
@@ -93,11 +110,11 @@ def gradient_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, l
 
 
 @torch.no_grad()
-def ablation_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, latex: Sequence[str],
+def ablation_scores(adapter, attns: Sequence[nn.Module], images: torch.Tensor, targets: Sequence[Sequence[int]],
                     batch_size: int = 8, progress: bool = False) -> tuple[list[list[float]], float]:
     """Loss increase when one head alone is off; returns (scores, baseline loss)."""
     adapter.model.eval()
-    batches = [(sl, *label_batch(adapter, latex[sl])) for sl in _batches(len(images), batch_size)]
+    batches = [(sl, *id_batch(adapter, targets[sl])) for sl in _batches(len(images), batch_size)]
 
     def loss_with(gates) -> float:
         with head_gates(attns, gates):

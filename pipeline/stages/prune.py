@@ -36,8 +36,9 @@ BUILT = True
 @dataclass
 class PruneConfig:
     model: str = "original"          # the model to prune: original | a stage with a model | a folder
-    criterion: str = "l2_qkv"        # l2_qkv | l2_qkvo | random | gradient | ablation
-    ratio: float = 0.25              # share of encoder heads removed ...
+    # defaults: the sweep's best point (docs/prune.md): ablation scores, 4 of 32 heads
+    criterion: str = "ablation"      # l2_qkv | l2_qkvo | random | gradient | ablation
+    ratio: float = 0.125             # share of encoder heads removed ...
     num_heads: Optional[int] = None  # ... or this many heads (wins over ratio) ...
     flops_reduction: Optional[float] = None  # ... or the fewest heads cutting encoder FLOPs by this share
     min_heads_per_layer: int = 1
@@ -110,7 +111,9 @@ def _artifact_name(cfg: PruneConfig) -> str:
 
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", hc.job.override_dirname.replace("prune.", "")) or str(hc.job.num)
+            own = sorted(o.split("prune.", 1)[1] for o in hc.overrides.task
+                         if o.startswith("prune.") and not o.startswith("prune.name="))
+            tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(own)) or str(hc.job.num)
             return f"prune-{tag}"[:120]
     except (ValueError, ImportError):  # not under Hydra (tests, library use)
         pass
@@ -195,7 +198,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         eval_items = _eval_items(cfg, ctx, original)
 
         variants: dict[str, dict] = {}
-        variants["original"] = _measure(original, original, eval_items, cfg, ctx, "original")
+        variants["original"] = _baseline(original, eval_items, cfg, ctx, inputs)
 
         pruned_raw = _clone(original)
         pruned_raw.remove_encoder_heads(removed)
@@ -325,6 +328,17 @@ def _measure(adapter, original, items: list[EvalItem], cfg: PruneConfig, ctx: St
     }
 
 
+def _baseline(original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, inputs: dict) -> dict:
+    """The original's row of the table, cached: every job of a sweep shares it."""
+    mcfg = ctx.cfg.model
+    config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images,
+              "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
+    with ctx.output("prune-baseline", config, inputs) as out:
+        if not out.reused:
+            out.metrics.update(_measure(original, original, items, cfg, ctx, "original"))
+    return dict(out.metrics)
+
+
 @torch.no_grad()
 def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalItem]) -> bool:
     again = ctx.load_model(str(folder))
@@ -336,19 +350,21 @@ def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalI
 
 # ---- head scores (cached: the sweep's jobs share them) -------------------------------------------
 def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: dict) -> dict:
-    config = {"score_images": cfg.score_images, "seed": ctx.seed}
+    config = {"score_images": cfg.score_images, "seed": ctx.seed, "max_length": int(ctx.cfg.model.max_length),
+              "targets": "own_predictions"}
     with ctx.output("prune-head-scores", config, inputs) as out:
         if out.reused:
             return json.loads((out.path / "scores.json").read_text())
         images, latex, _ = _render(adapter, _train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
                                    "render scoring")
+        targets = head_scores.own_predictions(adapter, images, int(ctx.cfg.model.max_length))
         result = {
             "l2_qkv": head_scores.l2_scores(attns),
             "l2_qkvo": head_scores.l2_scores(attns, with_out=True),
             "random": head_scores.random_scores(adapter.encoder_head_counts(), ctx.seed),
-            "gradient": head_scores.gradient_scores(adapter, attns, images, latex, progress=ctx.progress),
+            "gradient": head_scores.gradient_scores(adapter, attns, images, targets, progress=ctx.progress),
         }
-        result["ablation"], base = head_scores.ablation_scores(adapter, attns, images, latex,
+        result["ablation"], base = head_scores.ablation_scores(adapter, attns, images, targets,
                                                                 progress=ctx.progress)
         out.metrics["baseline_label_loss"] = base
         (out.path / "scores.json").write_text(json.dumps(result, indent=2))
@@ -396,7 +412,9 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
     rec = m.get("recovery") or {}
     rec_lines = "\n".join(
         f"- round {i + 1}: removed {e['removed']}; refit relative error "
-        + ", ".join(f"L{l} {d['rel_error_before']:.2f}->{d['rel_error_after']:.2f}" for l, d in e["refit"].items())
+        + ", ".join(f"L{l} attention {d['attn_rel_error_before']:.2f}->{d['attn_rel_error_after']:.2f}"
+                    + (f", block {d['mlp_rel_error_before']:.2f}->{d['mlp_rel_error_after']:.2f}" if "mlp_rel_error_after" in d else "")
+                    for l, d in e["refit"].items())
         + f"; finetune {e['finetune'].get('steps', 0)} step(s); CPU {e['refit_cpu_seconds'] + e['finetune_cpu_seconds']:.0f} s"
         for i, e in enumerate(rec.get("rounds", [])))
     (folder / "report.md").write_text(
@@ -406,7 +424,8 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         f"{m['flops_per_head'] / 1e9:.3f} GFLOPs. Accuracy on the first {m['eval_n']} eval-split formulas, "
         f"greedy decoding capped at {m['max_length']} tokens for every variant.\n\n{table}\n\n"
         f"![head scores](head_scores.png)\n\n## Criteria against the ground truth\n\nGround truth: the increase of "
-        f"the teacher-forced label loss when one head alone is off ({cfg.score_images} rendered train formulas).\n\n"
+        f"the teacher-forced loss (against the original's own reading) when one head alone is off "
+        f"({cfg.score_images} rendered train formulas).\n\n"
         f"{corr}\n\n## Recovery\n\n{rec_lines or 'none'}\n\nRecovery CPU minutes (pruned model): "
         f"{rec.get('cpu_minutes', 0.0):.1f}. The saved model reloads with identical encoder outputs: "
         f"{m['reload_identical']}.\n")

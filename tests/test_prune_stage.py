@@ -1,0 +1,109 @@
+"""The prune stage end to end on a tiny random model of the real shape, its bad inputs, and the CLI."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.artifacts import sha256_file
+from pipeline.errors import PipelineError
+from pipeline.stages import prune
+from test_prune_tiny import build_tiny, fake_ctx
+
+FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",
+        "prune.refit_images=4", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_batch=2",
+        "prune.latency_images=1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    build_tiny().save(folder)
+    return folder
+
+
+def _run(root, folder, *overrides):
+    ctx = fake_ctx(root, [f"prune.model={folder}", *FAST, *overrides])
+    return ctx, prune.run(OmegaConf.to_object(ctx.cfg.prune), ctx)
+
+
+def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tmp_path, tiny_folder):
+    ctx, manifest = _run(tmp_path / "a", tiny_folder, "prune.num_heads=3", "prune.criterion=gradient")
+    out = tmp_path / "a" / "prune"
+    m = manifest["metrics"]
+    assert m["heads_removed"] == 3 and sum(m["encoder_heads"]) == 5 and min(m["encoder_heads"]) >= 1
+    assert json.loads((out / "model" / "config.json").read_text())["encoder_heads"] == m["encoder_heads"]
+    assert set(m["variants"]) == {"original", "pruned, before recovery", "pruned, after recovery",
+                                  "random heads, after recovery"}
+    v = m["variants"]
+    assert v["pruned, after recovery"]["encoder_gflops"] < v["original"]["encoder_gflops"]
+    assert v["pruned, after recovery"]["params"] < v["original"]["params"]
+    assert m["reload_identical"] is True
+    assert m["recovery"]["rounds"][0]["finetune"]["steps"] == 1
+    for name in ("report.md", "head_scores.png", "head_scores.json", "model/model.safetensors"):
+        assert (out / name).is_file(), name
+    assert "| original |" in (out / "report.md").read_text()
+    scores = json.loads((out / "head_scores.json").read_text())
+    assert set(scores["scores"]) == {"l2_qkv", "l2_qkvo", "random", "gradient", "ablation"}
+    # the stage's model is what every later stage loads by name
+    assert ctx.load_model("prune").encoder_head_counts() == m["encoder_heads"]
+    # same config and seed: the same model and the same scores
+    _run(tmp_path / "b", tiny_folder, "prune.num_heads=3", "prune.criterion=gradient")
+    for name in ("model/model.safetensors", "head_scores.json"):
+        assert sha256_file(out / name) == sha256_file(tmp_path / "b" / "prune" / name), name
+    # unchanged inputs: reused, not recomputed
+    _, again = _run(tmp_path / "a", tiny_folder, "prune.num_heads=3", "prune.criterion=gradient")
+    assert again["key"] == manifest["key"]
+
+
+def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
+    _, manifest = _run(tmp_path, tiny_folder, "prune.flops_reduction=0.1", "prune.iterations=2",
+                       "prune.compare_random=false", "prune.finetune_steps=0", "prune.name=prune-f10")
+    m = manifest["metrics"]
+    assert m["flops_reduction"] >= 0.1
+    assert len(m["recovery"]["rounds"]) == 2
+    assert (tmp_path / "prune-f10" / "model" / "config.json").is_file()
+    assert not (tmp_path / "prune").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("prune.ratio=1.0", r"prune.ratio must be in \[0, 1\)"),
+    ("prune.ratio=-0.2", r"prune.ratio must be in \[0, 1\)"),
+    ("prune.num_heads=7", "would leave a layer with fewer than"),
+    ("prune.flops_reduction=0.9", "would leave a layer with fewer than"),
+    ("prune.min_heads_per_layer=0", "at least 1"),
+    ("prune.criterion=l1", "prune.criterion must be one of"),
+])
+def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
+    with pytest.raises(PipelineError, match=message):
+        _run(tmp_path, tiny_folder, override)
+    assert not [p for p in tmp_path.glob("prune*")]
+
+
+def test_model_without_encoder_attention_is_refused(tmp_path):
+    folder = tmp_path / "no-attention"
+    build_tiny(encoder_layers=0).save(folder)
+    with pytest.raises(PipelineError, match="no encoder attention"):
+        _run(tmp_path / "art", folder)
+    assert not (tmp_path / "art" / "prune").exists()
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path, tiny_folder):
+    folder = tmp_path / "corrupt"
+    shutil.copytree(tiny_folder, folder)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(PipelineError, match="corrupt model weights"):
+        _run(tmp_path / "art", folder)
+    assert not (tmp_path / "art" / "prune").exists()
+
+
+def test_cli_bad_ratio_is_one_line_exit_2(tmp_path):
+    from conftest import run_cli
+
+    proc = run_cli("stage=prune", "prune.ratio=1.5", f"artifacts.dir={tmp_path}", timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: prune.ratio must be in [0, 1), got 1.5"]
+    assert not list(tmp_path.glob("prune*"))
