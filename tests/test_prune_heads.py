@@ -207,3 +207,30 @@ def test_refit_reduces_attention_error(tiny):
     with torch.no_grad():
         before = (raw.encode(x) - tiny.encode(x)).norm()
     assert after < before
+
+
+def test_real_model_rewrite_and_slicing_are_exact(real_adapter):
+    """The shipped model: the MHA rewrite equals the package's own model, and removing the four
+    heads of the default config equals switching them off, on one rendered formula."""
+    import copy
+
+    from pipeline.adapters.latex_ocr_junia import build_model_reference, package_assets, safe_load_checkpoint
+    from pipeline.data.render import render_formula
+
+    x = real_adapter.preprocess(render_formula("\\frac{a+b}{c}"))[None]
+    ref = build_model_reference(real_adapter.model_config)
+    ref.load_state_dict(safe_load_checkpoint(package_assets() / "best.pt")["model_state_dict"])
+    remove = {1: [3, 6], 2: [7], 3: [1]}
+    pruned = copy.copy(real_adapter)
+    pruned.model = copy.deepcopy(real_adapter.model)
+    pruned.remove_encoder_heads(remove)
+    attns = [real_adapter.encoder_attention(i) for i in range(4)]
+    with torch.no_grad():
+        full = real_adapter.encode(x)
+        torch.testing.assert_close(full, ref.encode(x), atol=1e-4, rtol=1e-4)
+        with head_gates(attns, _gates([8, 8, 8, 8], remove)):
+            want = real_adapter.encode(x)
+        got = pruned.encode(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, full, atol=1e-3)
+    assert pruned.encoder_head_counts() == [8, 6, 7, 7]
