@@ -124,7 +124,7 @@ def float_encoder(tmp_path_factory) -> Path:
     from pipeline.export.graphs import EncoderGraph
 
     adapter = load_adapter("latex_ocr_junia", "package")
-    m = _to_model(EncoderGraph(adapter.model), (torch.rand(1, *adapter.input_shape),),
+    m = _to_model(EncoderGraph(adapter), (torch.rand(1, *adapter.input_shape),),
                   {"inputs": ["images"], "outputs": ["memory"]}, {"images": {0: "batch"}, "memory": {0: "batch"}}, 17)
     path = tmp_path_factory.mktemp("qdq") / "encoder.float.onnx"
     onnx.save(m, str(path))

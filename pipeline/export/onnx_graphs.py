@@ -40,19 +40,25 @@ def _to_model(module: torch.nn.Module, args: tuple, names: dict[str, list[str]],
     return onnx.load_from_string(buf.getvalue())
 
 
-def export_graphs(model: torch.nn.Module, input_shape: tuple[int, int, int], opset: int) -> dict[str, onnx.ModelProto]:
-    """Encoder, decoder first step and decoder step with past K/V; dynamic batch and sequence axes."""
-    model = model.eval()
-    nl = len(model.decoder_blocks)
+def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
+    """Encoder, decoder first step and decoder step with past K/V; dynamic batch and sequence axes.
+
+    The decoder graphs wrap the adapter's KV-cached decoder (``ModelAdapter.cached_decoder``)."""
+    adapter.model.eval()
+    cached = adapter.cached_decoder()
+    if cached is None:
+        raise PipelineError(f"model family {adapter.family!r} has no KV-cached decoder to export")
+    cached = cached.eval()
+    nl = int(cached.num_layers)
     io = graph_io(nl)
     n = io_names(nl)
-    images = torch.rand(2, *input_shape)
+    images = torch.rand(2, *adapter.input_shape)
     with torch.no_grad():
-        memory = model.encode(images)
-    graphs = {"encoder": _to_model(EncoderGraph(model), (images,), io["encoder"],
+        memory = adapter.encode(images)
+    graphs = {"encoder": _to_model(EncoderGraph(adapter), (images,), io["encoder"],
                                    {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
-    first = DecoderFirstGraph(model).eval()
-    ids = torch.tensor([[1, 5, 6], [1, 7, 7]], dtype=torch.long)
+    first = DecoderFirstGraph(cached).eval()
+    ids = torch.tensor([[adapter.bos_id, 5, 6], [adapter.bos_id, 7, 7]], dtype=torch.long)
     dyn = {"input_ids": {0: "batch", 1: "seq"}, "memory": {0: "batch", 1: "mem_len"}, "logits": {0: "batch"}}
     dyn.update({k: {0: "batch", 2: "seq"} for k in n["present"]})
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
@@ -64,7 +70,7 @@ def export_graphs(model: torch.nn.Module, input_shape: tuple[int, int, int], ops
     dyn.update({k: {0: "batch", 2: "total_len"} for k in n["present"]})
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
     step_ids = torch.tensor([[9], [10]], dtype=torch.long)
-    graphs["decoder_step"] = _to_model(DecoderStepGraph(model), (step_ids, *kv), io["decoder_step"], dyn, opset)
+    graphs["decoder_step"] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io["decoder_step"], dyn, opset)
     return graphs
 
 

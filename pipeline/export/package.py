@@ -51,7 +51,7 @@ def exported_graphs(adapter, opset: int, model_key: Optional[str]) -> dict[str, 
     process (tests, notebooks) traces the model once."""
     key = (model_key, opset) if model_key else None
     if key is None or key not in _EXPORTED:
-        raw = og.export_graphs(adapter.model.eval(), adapter.input_shape, opset)
+        raw = og.export_graphs(adapter, opset)
         if key is None:
             return raw
         _EXPORTED[key] = {g: m.SerializeToString() for g, m in raw.items()}
@@ -60,7 +60,6 @@ def exported_graphs(adapter, opset: int, model_key: Optional[str]) -> dict[str, 
 
 def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress,
                  model_key: Optional[str] = None) -> BuiltGraphs:
-    model = adapter.model.eval()
     raw = exported_graphs(adapter, target.opset, model_key)
     progress("exported")
     hist: dict[str, dict[str, dict[str, int]]] = {g: {"exported": og.op_histogram(m)} for g, m in raw.items()}
@@ -69,9 +68,9 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
         raw["encoder"] = load_qdq_encoder(qdq_encoder, raw["encoder"])
         hist["encoder"] = {"qdq input": og.op_histogram(raw["encoder"])}
         precision["encoder"] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
-    heads = sorted({int(b.self_attn.num_heads) for b in model.decoder_blocks}
-                   | {int(b.attn.num_heads) for b in model.encoder_blocks}) if hasattr(model, "encoder_blocks") else []
-    hidden = int(adapter.model_config.d_model) if hasattr(adapter, "model_config") else 0
+    shapes = decoder_shapes(adapter)
+    heads = sorted(set(adapter.encoder_head_counts()) | {shapes["num_heads"]})
+    hidden = shapes["hidden_size"]  # 0 heads / hidden: the optimizer reads them from the graph
     out = {}
     with tempfile.TemporaryDirectory(prefix="fuse-") as tmp:
         for g, m in raw.items():
@@ -113,13 +112,22 @@ def load_qdq_encoder(path: Path, exported: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int) -> dict[str, Any]:
-    """The files a deployment engineer ships; returns ``package.json``'s content."""
-    model = adapter.model
-    nl = len(model.decoder_blocks)
+def decoder_shapes(adapter) -> dict[str, int]:
+    """Layers, heads, head size, hidden size and memory length, read off one encoder + cache run."""
+    cached = adapter.cached_decoder()
+    if cached is None:
+        raise PipelineError(f"model family {adapter.family!r} has no KV-cached decoder to export")
     with torch.no_grad():
         memory = adapter.encode(torch.zeros(1, *adapter.input_shape))
-    self_attn = model.decoder_blocks[0].self_attn
+        k = cached.eval().cross_kv(memory)[0]  # [1, H, N, d]
+    return {"num_layers": int(cached.num_layers), "num_heads": int(k.shape[1]), "head_dim": int(k.shape[3]),
+            "hidden_size": int(memory.shape[-1]), "memory_length": int(memory.shape[1])}
+
+
+def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int) -> dict[str, Any]:
+    """The files a deployment engineer ships; returns ``package.json``'s content."""
+    shapes = decoder_shapes(adapter)
+    nl = shapes["num_layers"]
     graphs = {}
     for g, m in built.models.items():
         onnx.save(m, str(folder / f"{g}.onnx"))
@@ -133,8 +141,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
         "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
-        "num_layers": nl, "num_heads": int(self_attn.num_heads), "head_dim": int(self_attn.head_dim),
-        "hidden_size": int(memory.shape[-1]), "memory_length": int(memory.shape[1]),
+        **shapes,
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         "decoding": "greedy; decoder_first(BOS, memory) then decoder_step per token with the present K/V fed "
                     "back as past; pad and BOS logits set to -inf; stop at EOS or max_length tokens incl. BOS",
