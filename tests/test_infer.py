@@ -101,4 +101,6 @@ def test_benchmark_reports_latency_ratios(pkg):
     assert m["speedup_total"] == round(m["torch_total_ms"] / m["onnx_total_ms"], 2)
     rows = json.loads((folder / "latency.json").read_text())["rows"]
     assert rows[0]["steps_torch"] == rows[0]["steps_onnx"]
-    assert f"{m['speedup_total']}x" in (folder / "report.md").read_text()
+    report = (folder / "report.md").read_text()
+    assert f"{m['speedup_total']}x" in report
+    assert m["speedup_vs_torch_cached"] == round(m["torch_cached_total_ms"] / m["onnx_total_ms"], 2)
