@@ -185,6 +185,7 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     teacher.model.eval()
     model.eval()  # no dropout: the short run should be deterministic and not noisier than it must be
     params = [p for p in model.parameters()]
+    flags = [p.requires_grad for p in params]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -219,6 +220,6 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
         bar.update(1)
         bar.set_postfix(loss=f"{value:.3f}")
     bar.close()
-    for p in params:
-        p.requires_grad_(False)
+    for p, flag in zip(params, flags):
+        p.requires_grad_(flag)
     return {"steps": done, "seconds": time.perf_counter() - t0, "first_loss": first, "last_loss": last}

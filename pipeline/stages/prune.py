@@ -36,8 +36,8 @@ BUILT = True
 @dataclass
 class PruneConfig:
     model: str = "original"          # the model to prune: original | a stage with a model | a folder
-    # defaults: the sweep's best point (docs/prune.md): ablation scores, 4 of 32 heads
-    criterion: str = "ablation"      # l2_qkv | l2_qkvo | random | gradient | ablation
+    # defaults: the sweep's best point (docs/prune.md): the 4 lowest-l2_qkv heads of 32
+    criterion: str = "l2_qkv"        # l2_qkv | l2_qkvo | random | gradient | ablation
     ratio: float = 0.125             # share of encoder heads removed ...
     num_heads: Optional[int] = None  # ... or this many heads (wins over ratio) ...
     flops_reduction: Optional[float] = None  # ... or the fewest heads cutting encoder FLOPs by this share
@@ -333,7 +333,9 @@ def _baseline(original, items: list[EvalItem], cfg: PruneConfig, ctx: StageConte
     mcfg = ctx.cfg.model
     config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images,
               "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
-    with ctx.output("prune-baseline", config, inputs) as out:
+    from pipeline.artifacts import sha256_json
+    # one folder per configuration, so sweeps with different eval sets do not evict each other
+    with ctx.output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
             out.metrics.update(_measure(original, original, items, cfg, ctx, "original"))
     return dict(out.metrics)
@@ -352,7 +354,8 @@ def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalI
 def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: dict) -> dict:
     config = {"score_images": cfg.score_images, "seed": ctx.seed, "max_length": int(ctx.cfg.model.max_length),
               "targets": "own_predictions"}
-    with ctx.output("prune-head-scores", config, inputs) as out:
+    from pipeline.artifacts import sha256_json
+    with ctx.output(f"prune-head-scores-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if out.reused:
             return json.loads((out.path / "scores.json").read_text())
         images, latex, _ = _render(adapter, _train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
