@@ -16,16 +16,17 @@ from tqdm import tqdm
 
 from pipeline.adapters.base import ModelAdapter
 from pipeline.data.render import RenderError, render_formula
-from pipeline.metrics import bleu4, corpus_cer, edit_distance, normalize
+from pipeline.metrics import bleu4, corpus_cer, edit_distance, normalize, strip_display
 
 
 def image_exact_match(pred: str, truth: str, truth_image: np.ndarray | None = None) -> bool:
     """im2latex image metric: render both, binarize, crop, drop blank columns, compare pixels.
 
-    Spellings that draw the same (``\\dots`` vs ``...``) match; an unrenderable prediction misses.
+    Spellings that draw the same (``*`` vs ``\\ast``, ``\\text`` vs ``\\mathrm``) match; the
+    display-math wrapper the model emits is stripped first; an unrenderable prediction misses.
     """
     try:
-        p = _binary(render_formula(pred))
+        p = _binary(render_formula(strip_display(pred)))
     except RenderError:
         return False
     t = truth_image if truth_image is not None else _binary(render_formula(truth))

@@ -60,6 +60,22 @@ def normalize(latex: str) -> str:
     return s
 
 
+_BREAKS = re.compile(r"\\\\(?:\[[^\]]*\])?|&|\\(?:nonumber|notag)(?![a-zA-Z])|\\(?:label|tag)\{[^{}]*\}")
+
+
+def strip_display(latex: str) -> str:
+    """Only the display-math wrapper and alignment/line-break marks removed; spacing kept, so the
+    result still renders as the same formula (for the image metric)."""
+    s = latex.strip()
+    for _ in range(3):
+        before = s
+        for pat in _WRAPPERS:
+            s = pat.sub(" ", s).strip()
+        if s == before:
+            break
+    return " ".join(_BREAKS.sub(" ", s).split())
+
+
 def tokens(latex_normalized: str) -> list[str]:
     """LaTeX atoms of a normalized formula: commands, single characters."""
     return re.findall(r"\\[a-zA-Z]+|\\.|.", latex_normalized)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.evaluation import image_exact_match
-from pipeline.metrics import bleu4, cer, corpus_cer, edit_distance, exact_match, normalize
+from pipeline.metrics import bleu4, cer, corpus_cer, edit_distance, exact_match, normalize, strip_display
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -47,5 +47,12 @@ def test_bleu_known_values():
 def test_image_exact_match():
     assert image_exact_match("x^2", "x^{2}")           # same drawing, other spelling
     assert image_exact_match(r"{a}+b", "a+b")
+    assert image_exact_match(r"(E\ast 3,E)", "(E*3,E)")
+    assert image_exact_match(r"\begin{align*}& \mathrm{sign}(v) \\\end{align*}", r"\text{sign}(v)")
     assert not image_exact_match(r"\alpha", "a")
     assert not image_exact_match(r"\frac{a}{", "a")      # unrenderable prediction is a miss
+
+
+def test_strip_display_keeps_spacing_for_rendering():
+    assert strip_display(r"\begin{equation*}\alpha x\end{equation*}") == r"\alpha x"
+    assert strip_display(r"$$a &= b \\$$") == "a = b"

@@ -7,6 +7,7 @@ the tight ink crop at that scale; the model adapter's ``preprocess`` places it o
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import warnings
 
@@ -18,6 +19,8 @@ PX_PER_EM = 32
 INK_THRESHOLD = 250  # a pixel darker than this (of 255) is ink
 
 _lock = threading.Lock()  # mathtext's parser caches are not thread-safe
+# mathtext logs every unknown glyph it substitutes; a model's odd prediction is not news
+logging.getLogger("matplotlib.mathtext").setLevel(logging.ERROR)
 
 
 class RenderError(ValueError):
