@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -20,7 +21,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("pipeline")
 
 
-def fail(message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 

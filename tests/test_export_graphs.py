@@ -197,7 +197,7 @@ def test_validator_names_asymmetric_and_per_tensor_weight_nodes():
 
 
 def test_unknown_target_and_bad_opset_are_refused():
-    from tests.conftest import compose_cfg
+    from conftest import compose_cfg
 
     cfg = compose_cfg(["target=metax"])
     assert resolve_target(cfg.target).rules.max_ir_version == 8

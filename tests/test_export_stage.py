@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline.errors import PipelineError
-from tests.conftest import make_ctx
+from conftest import make_ctx
 
 # formulas the shipped model reads correctly at this cap (BOS included)
 FORMULAS = [r"x_1 + x_2", r"e^{i\pi}+1=0"]
@@ -142,7 +142,7 @@ def test_metax_refuses_an_asymmetric_qdq_encoder_naming_the_node(float_encoder):
 def test_metax_package_from_symmetric_qdq_passes_validator_and_parity(float_encoder):
     from pipeline.export.targets import resolve_target
     from pipeline.export.validator import validate
-    from tests.conftest import compose_cfg
+    from conftest import compose_cfg
 
     qdq = _qdq_encoder(float_encoder, float_encoder.with_name("encoder.sym.onnx"), symmetric=True)
     run_export("target=metax", f"export.qdq_encoder={qdq}", "export.parity_limit=1")

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from pipeline.data.render import render_formula
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
-from tests.conftest import make_ctx, run_cli
+from conftest import make_ctx, run_cli
 from test_export_stage import FORMULAS, MAX_LENGTH, artifacts_root, ort_package  # one export per session
 
 

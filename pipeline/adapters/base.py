@@ -78,6 +78,11 @@ class ModelAdapter(abc.ABC):
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         """The inference preprocessing: any PIL image -> one model input tensor [C, H, W]."""
 
+    def preprocess_spec(self) -> dict:
+        """:meth:`preprocess` described as data, for a runtime that has no torch or adapter."""
+        from pipeline.errors import PipelineError
+        raise PipelineError(f"model family {self.family!r} does not describe its preprocessing")
+
     # ---- tokens -------------------------------------------------------------------------------
     @property
     @abc.abstractmethod

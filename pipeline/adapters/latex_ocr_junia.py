@@ -65,7 +65,7 @@ def to_grey(image: Image.Image) -> Image.Image:
         raise ValueError("image has zero size")
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         arr = np.asarray(image, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
+        hi = float(arr.max())
         scale = 65535.0 if image.mode.startswith("I;16") or hi > 255 else 255.0
         if image.mode == "F" and hi <= 1.0:
             scale = 1.0
@@ -181,6 +181,13 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         canvas = place_on_canvas(to_grey(image), self.model_config.image_height, self.model_config.image_width)
         return torch.from_numpy(np.asarray(canvas, dtype=np.float32) / 255.0)[None]
+
+    def preprocess_spec(self) -> dict:
+        c, h, w = self.input_shape
+        return {"kind": "latex_ocr_junia.canvas", "channels": c, "height": h, "width": w, "margin": CANVAS_MARGIN,
+                "ink_threshold": INK_THRESHOLD, "scale": 255.0, "grey": True, "invert_dark_background": True,
+                "note": "any image -> 8-bit grey (transparency on white) -> ink crop centred on a white "
+                        "height x width canvas, shrunk never enlarged, margin px kept -> float32 / scale, [C, H, W]"}
 
     # ---- tokens -------------------------------------------------------------------------------
     @property

@@ -18,23 +18,6 @@ from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
 
 
-def preprocess_spec(adapter) -> dict[str, Any]:
-    """What the runner needs to preprocess an image without the model package.
-
-    Model specific: belongs in the adapter interface (asked of the lead); kept here until then.
-    """
-    if adapter.family != "latex_ocr_junia":
-        raise PipelineError(f"no preprocessing spec for model family {adapter.family!r}")
-    from pipeline.adapters.latex_ocr_junia import CANVAS_MARGIN
-    from pipeline.data.render import INK_THRESHOLD
-
-    c, h, w = adapter.input_shape
-    return {"kind": "latex_ocr_junia.canvas", "channels": c, "height": h, "width": w, "margin": CANVAS_MARGIN,
-            "ink_threshold": INK_THRESHOLD, "scale": 255.0, "grey": True, "invert_dark_background": True,
-            "note": "any image -> 8-bit grey (transparency on white) -> ink crop centred on a white "
-                    "height x width canvas, shrunk never enlarged, margin px kept -> float32 / scale, [C, H, W]"}
-
-
 @dataclass
 class BuiltGraphs:
     models: dict[str, onnx.ModelProto]
@@ -133,7 +116,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         onnx.save(m, str(folder / f"{g}.onnx"))
         graphs[g] = f"{g}.onnx"
     shutil.copyfile(adapter.tokenizer_path, folder / TOKENIZER)
-    (folder / PREPROCESS).write_text(json.dumps(preprocess_spec(adapter), indent=2) + "\n")
+    (folder / PREPROCESS).write_text(json.dumps(adapter.preprocess_spec(), indent=2) + "\n")
     meta = {
         "format": "formula-compress onnx package v1",
         "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
