@@ -201,20 +201,22 @@ class ModelAdapter(abc.ABC):
 
     def encoder_module(self) -> nn.Module:
         """The image -> memory part, as a module (for FLOP counting and export)."""
-        adapter = self
-
-        class _Encoder(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = adapter.model
-
-            def forward(self, images: torch.Tensor) -> torch.Tensor:
-                return adapter.encode(images)
-
-        return _Encoder().eval()
+        return EncoderModule(self).eval()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+
+class EncoderModule(nn.Module):
+    """``owner.encode`` as an ``nn.Module`` holding ``owner.model`` (any object with both)."""
+
+    def __init__(self, owner: Any) -> None:
+        super().__init__()
+        self.model = owner.model
+        self._encode = owner.encode
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self._encode(images)
 
 
 def load_adapter(family: str, source: str, trust_checkpoint: bool = False) -> ModelAdapter:

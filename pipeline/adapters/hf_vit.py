@@ -100,17 +100,9 @@ class HFVisionEncoder:
         return self.model(pixel_values=images).last_hidden_state
 
     def encoder_module(self) -> nn.Module:
-        adapter = self
+        from pipeline.adapters.base import EncoderModule
 
-        class _Encoder(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.model = adapter.model
-
-            def forward(self, images: torch.Tensor) -> torch.Tensor:
-                return adapter.encode(images)
-
-        return _Encoder().eval()
+        return EncoderModule(self).eval()
 
     def encoder_head_counts(self) -> list[int]:
         return [hf_num_heads(a) for a in hf_attention_modules(self.model)]

@@ -86,6 +86,20 @@ class _Solver:
 
 
 @torch.no_grad()
+def _hooked_passes(student, images, batch_size: int, hooks: list):
+    """Encode batch by batch until a hook raises ``_Stop``; yields the batch index, then removes the hooks."""
+    try:
+        for b, sl in enumerate(_batches(len(images), batch_size)):
+            try:
+                student.encode(images[sl])
+            except _Stop:
+                pass
+            yield b
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def _teacher_targets(teacher, images: torch.Tensor, layers: Sequence[int], batch_size: int) -> dict:
     """Per layer and batch: the original's residual stream after attention (block input + attention
     output) and after the whole block."""
@@ -137,16 +151,8 @@ def refit(student, teacher, images: torch.Tensor, layers: Sequence[int], ridge: 
             raise _Stop
 
         hs = [block.register_forward_pre_hook(pre_block, with_kwargs=True), o.register_forward_pre_hook(pre_out)]
-        try:
-            for b, sl in enumerate(_batches(len(images), batch_size)):
-                try:
-                    student.encode(images[sl])
-                except _Stop:
-                    pass
-                solver.add(state["c"], targets[l]["h"][b] - state["x"], o)
-        finally:
-            for h in hs:
-                h.remove()
+        for b in _hooked_passes(student, images, batch_size, hs):
+            solver.add(state["c"], targets[l]["h"][b] - state["x"], o)
         entry = {f"attn_{k}": v for k, v in solver.solve_into(o, ridge).items()}
         # 2) MLP output projection: features = its input, target = y_T - (y_S - fc2 output)
         if fc2 is not None:
@@ -160,16 +166,8 @@ def refit(student, teacher, images: torch.Tensor, layers: Sequence[int], ridge: 
                 raise _Stop
 
             hs = [fc2.register_forward_hook(fc2_hook), block.register_forward_hook(block_hook)]
-            try:
-                for b, sl in enumerate(_batches(len(images), batch_size)):
-                    try:
-                        student.encode(images[sl])
-                    except _Stop:
-                        pass
-                    solver.add(state["g"], targets[l]["y"][b] - (state["y"] - state["o"]), fc2)
-            finally:
-                for h in hs:
-                    h.remove()
+            for b in _hooked_passes(student, images, batch_size, hs):
+                solver.add(state["g"], targets[l]["y"][b] - (state["y"] - state["o"]), fc2)
             entry.update({f"mlp_{k}": v for k, v in solver.solve_into(fc2, ridge).items()})
         report[l] = entry
     return report
