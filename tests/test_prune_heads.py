@@ -209,6 +209,66 @@ def test_refit_reduces_attention_error(tiny):
     assert after < before
 
 
+def test_refit_of_an_unpruned_model_keeps_it(tiny):
+    """The ridge penalty pulls towards the current weights: with nothing pruned there is nothing to fix."""
+    import copy
+
+    from pipeline.pruning import recover
+
+    twin = copy.copy(tiny)
+    twin.model = copy.deepcopy(tiny.model)
+    x = torch.rand(3, *tiny.input_shape, generator=torch.Generator().manual_seed(3))
+    recover.refit(twin, tiny, x, [0, 1], ridge=1e-1, batch_size=3)
+    for a, b in zip(twin.model.parameters(), tiny.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_distill_lowers_block_error_and_is_deterministic(tiny):
+    import copy
+
+    from pipeline.pruning import recover
+
+    def run():
+        pruned = copy.copy(tiny)
+        pruned.model = copy.deepcopy(tiny.model)
+        pruned.remove_encoder_heads({0: [1, 2], 1: [0]})
+        x = torch.rand(8, *tiny.input_shape, generator=torch.Generator().manual_seed(1))
+        before = [p.detach().clone() for p in pruned.model.parameters()]
+        report = recover.distill(pruned, tiny, x, [0, 1], epochs=3, lr=1e-3, batch_size=4, seed=0)
+        after = list(pruned.model.parameters())
+        return pruned, x, report, before, after
+
+    pruned, x, report, before, after = run()
+    assert sorted(report) == [0, 1]
+    for layer in (0, 1):
+        assert report[layer]["steps"] == report[layer]["steps_planned"] == 6
+        assert report[layer]["block_rel_error_after"] < report[layer]["block_rel_error_before"]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    again, _, report2, _, _ = run()
+    assert report2 == report  # same seed, same steps, same numbers
+    with torch.no_grad():
+        assert torch.equal(again.encode(x), pruned.encode(x))
+    assert recover.distill(pruned, tiny, x, [0], epochs=0) == {}
+
+
+def test_distill_restores_a_block_it_made_worse(tiny):
+    import copy
+
+    from pipeline.pruning import recover
+
+    pruned = copy.copy(tiny)
+    pruned.model = copy.deepcopy(tiny.model)
+    pruned.remove_encoder_heads({0: [1, 2]})
+    x = torch.rand(4, *tiny.input_shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = pruned.encode(x)
+    report = recover.distill(pruned, tiny, x, [0], epochs=2, lr=10.0, batch_size=2)  # a step size that diverges
+    assert report[0]["kept"] is False
+    assert report[0]["block_rel_error_after"] == report[0]["block_rel_error_before"]
+    with torch.no_grad():
+        assert torch.equal(pruned.encode(x), ref)
+
+
 def test_real_model_rewrite_and_slicing_are_exact(real_adapter):
     """The shipped model: the MHA rewrite equals the package's own model, and removing the four
     heads of the default config equals switching them off, on one rendered formula."""

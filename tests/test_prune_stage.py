@@ -13,7 +13,7 @@ from pipeline.stages import prune
 from test_prune_tiny import build_tiny, fake_ctx
 
 FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",
-        "prune.refit_images=4", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_batch=2",
+        "prune.refit_images=4", "prune.distill_images=4", "prune.distill_epochs=1", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_batch=2",
         "prune.latency_images=1"]
 
 
@@ -75,6 +75,8 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     ("prune.flops_reduction=0.9", "would leave a layer with fewer than"),
     ("prune.min_heads_per_layer=0", "at least 1"),
     ("prune.criterion=l1", "prune.criterion must be one of"),
+    ("prune.distill_lr=0", "prune.lr and prune.distill_lr must be > 0"),
+    ("prune.distill_epochs=-1", "prune.distill_epochs, prune.distill_minutes"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):

@@ -47,6 +47,10 @@ class PruneConfig:
     recovery: bool = True            # distill the pruned model from the original
     refit_images: int = 32           # train formulas for the closed-form output-projection refit
     ridge: float = 1e-3              # refit regularization, relative to the mean feature energy
+    distill_epochs: int = 4          # block-wise distillation after the refit (0 = off)
+    distill_images: int = 128        # train formulas for it
+    distill_lr: float = 1e-3
+    distill_minutes: float = 20.0    # wall-clock bound on it (split evenly over the layers)
     finetune_steps: int = 0          # gradient steps after the refit (labels + logits + encoder outputs)
     finetune_minutes: float = 10.0   # wall-clock bound on those steps
     finetune_batch: int = 4
@@ -56,6 +60,7 @@ class PruneConfig:
     eval_limit: Optional[int] = 50   # eval-split formulas scored per variant (None = the whole split)
     compare_random: bool = True      # also prune random heads (same count, same recovery)
     latency_images: int = 4          # images timed at batch 1 for encoder latency
+    use_cache: bool = True           # evaluate with the adapter's KV-cached decoder (same tokens, faster)
     name: Optional[str] = None       # artifact folder; default "prune", or per-job in a multirun
 
 
@@ -77,11 +82,14 @@ def _validate(cfg: PruneConfig) -> None:
     if cfg.min_heads_per_layer < 1:
         raise PipelineError(f"prune.min_heads_per_layer must be at least 1 (a layer without heads is not "
                             f"attention any more), got {cfg.min_heads_per_layer}")
-    for key in ("score_images", "refit_images", "finetune_batch", "iterations", "latency_images"):
+    for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "iterations", "latency_images"):
         if getattr(cfg, key) < (0 if key == "latency_images" else 1):
             raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
-    if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0:
-        raise PipelineError("prune.finetune_steps and prune.finetune_minutes must be >= 0")
+    if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0 or cfg.distill_epochs < 0 or cfg.distill_minutes < 0:
+        raise PipelineError("prune.distill_epochs, prune.distill_minutes, prune.finetune_steps and "
+                            "prune.finetune_minutes must be >= 0")
+    if cfg.lr <= 0 or cfg.distill_lr <= 0:
+        raise PipelineError("prune.lr and prune.distill_lr must be > 0")
     if cfg.eval_limit is not None and cfg.eval_limit <= 0:
         raise PipelineError(f"prune.eval_limit must be positive, got {cfg.eval_limit}")
     if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
@@ -192,7 +200,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         random_removed = select.select_heads(all_scores["random"], n_remove, cfg.min_heads_per_layer, "global")
 
         pool = _train_pool(ctx, ctx.seed)
-        fit_n = max(cfg.refit_images, cfg.finetune_images if cfg.finetune_steps else 0)
+        fit_n = max(cfg.refit_images, cfg.distill_images if cfg.distill_epochs else 0,
+                    cfg.finetune_images if cfg.finetune_steps else 0)
         train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
             if cfg.recovery and n_remove else (torch.zeros(0), [], [])
         eval_items = _eval_items(cfg, ctx, original)
@@ -290,13 +299,19 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
                                        progress=ctx.progress)
         entry["refit_cpu_seconds"] = time.process_time() - t0
         t0 = time.process_time()
+        entry["distill"] = recover.distill(
+            student, original, images[:cfg.distill_images], layers, epochs=cfg.distill_epochs, lr=cfg.distill_lr,
+            minutes=cfg.distill_minutes / cfg.iterations, seed=ctx.seed + r, progress=ctx.progress)
+        entry["distill_cpu_seconds"] = time.process_time() - t0
+        t0 = time.process_time()
         entry["finetune"] = recover.finetune(
             student, original, images, latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
             seed=ctx.seed + r, progress=ctx.progress)
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
-    log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["finetune_cpu_seconds"] for e in log["rounds"]) / 60
+    log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
+                             for e in log["rounds"]) / 60
     return student
 
 
@@ -314,7 +329,7 @@ def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> list[EvalItem]:
 def _measure(adapter, original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, desc: str) -> dict:
     mcfg = ctx.cfg.model
     result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
-                            progress=ctx.progress, desc=f"decode {desc}")["metrics"]
+                            progress=ctx.progress, desc=f"decode {desc}", use_cache=cfg.use_cache)["metrics"]
     k = min(cfg.latency_images, len(items))
     lat = count.encoder_latency_ms(adapter, torch.stack([it.image for it in items[:k]])) if k else float("nan")
     return {
@@ -331,7 +346,7 @@ def _measure(adapter, original, items: list[EvalItem], cfg: PruneConfig, ctx: St
 def _baseline(original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, inputs: dict) -> dict:
     """The original's row of the table, cached: every job of a sweep shares it."""
     mcfg = ctx.cfg.model
-    config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images,
+    config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
               "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
     from pipeline.artifacts import sha256_json
     # one folder per configuration, so sweeps with different eval sets do not evict each other
@@ -418,7 +433,10 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         + ", ".join(f"L{l} attention {d['attn_rel_error_before']:.2f}->{d['attn_rel_error_after']:.2f}"
                     + (f", block {d['mlp_rel_error_before']:.2f}->{d['mlp_rel_error_after']:.2f}" if "mlp_rel_error_after" in d else "")
                     for l, d in e["refit"].items())
-        + f"; finetune {e['finetune'].get('steps', 0)} step(s); CPU {e['refit_cpu_seconds'] + e['finetune_cpu_seconds']:.0f} s"
+        + "".join(f"; distill L{l} {d['block_rel_error_before']:.2f}->{d['block_rel_error_after']:.2f} "
+                  f"({d['steps']} steps)" for l, d in e.get("distill", {}).items())
+        + f"; finetune {e['finetune'].get('steps', 0)} step(s); CPU "
+        f"{e['refit_cpu_seconds'] + e.get('distill_cpu_seconds', 0) + e['finetune_cpu_seconds']:.0f} s"
         for i, e in enumerate(rec.get("rounds", [])))
     (folder / "report.md").write_text(
         f"# Prune\n\nCriterion `{cfg.criterion}` ({cfg.normalize}-normalized), {m['heads_removed']} of "
