@@ -43,11 +43,11 @@ class PruneConfig:
     flops_reduction: Optional[float] = None  # ... or the fewest heads cutting encoder FLOPs by this share
     min_heads_per_layer: int = 1
     normalize: str = "layer"         # layer | global: how scores compare across layers
-    score_images: int = 8            # rendered train formulas for gradient and ablation scores
+    score_images: int = 16           # rendered train formulas for gradient and ablation scores
     recovery: bool = True            # distill the pruned model from the original
-    refit_images: int = 32           # train formulas for the closed-form output-projection refit
+    refit_images: int = 128          # train formulas for the closed-form output-projection refit
     ridge: float = 1e-3              # refit regularization, relative to the mean feature energy
-    distill_epochs: int = 4          # block-wise distillation after the refit (0 = off)
+    distill_epochs: int = 0          # block-wise distillation after the refit (0 = off; docs/prune.md)
     distill_images: int = 128        # train formulas for it
     distill_lr: float = 1e-3
     distill_minutes: float = 20.0    # wall-clock bound on it (split evenly over the layers)
