@@ -256,7 +256,7 @@ def test_near_and_exact_duplicates_are_removed_distinct_formulas_kept(rendered, 
 def test_image_folder_with_bad_files_builds_and_names_the_skips(image_folder, real_adapter, tmp_path, capsys):
     import datasets
 
-    manifest = _run(_ctx(tmp_path, [f"data=image_folder", f"data.path={image_folder}", "calibrate.size=32"],
+    manifest = _run(_ctx(tmp_path, ["data=image_folder", f"data.path={image_folder}", "calibrate.size=32"],
                          real_adapter))
     m = manifest["metrics"]
     assert set(m["skipped_items"]) == set(BAD)

@@ -7,7 +7,6 @@ import types
 from unittest import mock
 
 import numpy as np
-import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper

@@ -2,48 +2,15 @@
 encoder, the rule-breaking and parity-failure paths (no package folder written)."""
 from __future__ import annotations
 
-import functools
 import json
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
-from omegaconf import OmegaConf
 
+from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package, run_export
 from pipeline.errors import PipelineError
-from conftest import make_ctx
-
-# formulas the shipped model reads correctly at this cap (BOS included)
-FORMULAS = [r"x_1 + x_2", r"e^{i\pi}+1=0"]
-MAX_LENGTH = 64
-
-
-@functools.lru_cache(maxsize=None)
-def artifacts_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="export-test-"))
-    (root / "formulas.txt").write_text("\n".join(FORMULAS) + "\n")
-    return root
-
-
-def run_export(*overrides: str):
-    """Run the export stage in-process with a small parity subset; returns its manifest."""
-    from pipeline.stages import export
-
-    root = artifacts_root()
-    settings = {"export.formulas": str(root / "formulas.txt"), "model.max_length": str(MAX_LENGTH),
-                "export.parity_images": "1", "export.parity_limit": "2"}
-    settings.update(o.split("=", 1) for o in overrides)
-    ctx = make_ctx(root, [f"{k}={v}" for k, v in settings.items()])
-    return export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
-
-
-@functools.lru_cache(maxsize=None)
-def ort_package() -> Path:
-    """The real model exported once per session for ORT CPU (shared with test_infer.py)."""
-    run_export("target=ort_cpu")
-    return artifacts_root() / "export-ort_cpu"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pipeline.data.render import render_formula
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
 from conftest import make_ctx, run_cli
-from test_export_stage import FORMULAS, MAX_LENGTH, artifacts_root, ort_package  # one export per session
+from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package  # one export per session
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pipeline.adapters.attention import ExplicitAttention, remove_heads
 from pipeline.errors import PipelineError
 from pipeline.pruning import count, scores, select
 from pipeline.pruning.heads import head_gates
-from test_prune_tiny import build_tiny
+from tiny_model import build_tiny
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from pipeline.artifacts import sha256_file
 from pipeline.errors import PipelineError
 from pipeline.stages import prune
-from test_prune_tiny import build_tiny, fake_ctx
+from tiny_model import build_tiny, fake_ctx
 
 FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",
         "prune.refit_images=4", "prune.distill_images=4", "prune.distill_epochs=1", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_batch=2",
