@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.artifacts import atomic_write_dir  # noqa: E402
 from pipeline.reports import markdown_table, savefig  # noqa: E402
 
 
@@ -66,16 +67,15 @@ def main() -> None:
         ax.plot(xs, [orig_em] + [p[1] for p in ps], "x--", color=color, alpha=0.6, label=f"{crit}, before recovery")
     if orig_em is not None:
         ax.axhline(orig_em - args.tolerance, color="grey", lw=0.8, ls=":", label=f"original - {args.tolerance:g}")
+        ax.axvline(0.7 * orig_gf, color="red", lw=0.8, ls=":", label="-30 % encoder FLOPs")
     if best:
         ax.annotate("best", (best[0], best[2]), textcoords="offset points", xytext=(5, 8))
     ax.set_xlabel("encoder GFLOPs per image")
-    ax.set_ylabel("exact match (eval split subset)")
+    ns = sorted({r["metrics"]["eval_n"] for r in runs})
+    ax.set_ylabel(f"exact match (eval split, n={'/'.join(map(str, ns))})")
     ax.invert_xaxis()
     ax.set_title("Head pruning: exact match vs encoder FLOPs")
     ax.legend(fontsize=7)
-    out = args.artifacts / args.out
-    out.mkdir(parents=True, exist_ok=True)
-    savefig(fig, out / "sweep.png")
     table = markdown_table(["criterion", "normalize", "heads removed", "encoder GFLOPs", "FLOPs cut",
                             "EM original", "EM before recovery", "EM after recovery", "EM random (after rec.)",
                             "CER after", "n", "artifact"], rows)
@@ -83,7 +83,9 @@ def main() -> None:
                f"vs original {best[3]['exact_match']:.3f}, encoder {best[0]:.2f} GFLOPs "
                f"({best[4]['flops_reduction']:.1%} less)." if best else
                f"No run kept exact match within {args.tolerance} of the original.")
-    (out / "report.md").write_text(f"# Prune sweep\n\n{table}\n\n{verdict}\n\n![sweep](sweep.png)\n")
+    with atomic_write_dir(args.artifacts / args.out) as out:  # never a half-written report
+        savefig(fig, out / "sweep.png")
+        (out / "report.md").write_text(f"# Prune sweep\n\n{table}\n\n{verdict}\n\n![sweep](sweep.png)\n")
     print(table + "\n\n" + verdict)
 
 

@@ -109,3 +109,28 @@ def test_cli_bad_ratio_is_one_line_exit_2(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert lines == ["error: prune.ratio must be in [0, 1), got 1.5"]
     assert not list(tmp_path.glob("prune*"))
+
+
+def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_folder):
+    """benchmarks/prune_sweep.py over real stage outputs: table, curve, and the best point by the rule."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    runs = {}
+    for n in (1, 2):
+        _, manifest = _run(tmp_path, tiny_folder, f"prune.num_heads={n}", "prune.compare_random=false",
+                           "prune.finetune_steps=0", f"prune.name=prune-n{n}")
+        runs[n] = manifest["metrics"]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prune_sweep.py"), str(tmp_path),
+                           "--tolerance", "1.0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = (tmp_path / "prune-sweep" / "report.md").read_text()
+    assert (tmp_path / "prune-sweep" / "sweep.png").stat().st_size > 0
+    assert "`prune-n2`: 2 heads removed" in report  # everything is within a tolerance of 1.0: the most heads win
+    assert report.count("| l2_qkv |") == 2
+    strict = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prune_sweep.py"), str(tmp_path),
+                             "--tolerance", "-1.0"], capture_output=True, text=True, timeout=300)
+    assert strict.returncode == 0 and "No run kept exact match within" in strict.stdout
+    assert not list(tmp_path.glob(".tmp-prune-sweep-*"))
