@@ -294,3 +294,43 @@ def test_real_model_rewrite_and_slicing_are_exact(real_adapter):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, full, atol=1e-3)
     assert pruned.encoder_head_counts() == [8, 6, 7, 7]
+
+
+def test_finetune_resumes_after_a_kill_to_the_same_weights(tiny, tmp_path):
+    import copy
+
+    from pipeline.pruning import recover
+
+    def fresh():
+        s = copy.copy(tiny)
+        s.model = copy.deepcopy(tiny.model)
+        s.remove_encoder_heads({0: [1]})
+        return s
+
+    x = torch.rand(6, *tiny.input_shape, generator=torch.Generator().manual_seed(4))
+    latex = ["x^2", "a+b", "\\alpha", "k^n", "p_0", "y"]
+    kwargs = dict(steps=4, minutes=10, lr=1e-3, batch_size=2, seed=0)
+    straight = fresh()
+    recover.finetune(straight, tiny, x, latex, **kwargs)
+
+    state = tmp_path / "ft.pt"
+    killed = fresh()
+    calls = {"n": 0}
+    real = killed.decode_logits
+
+    def dies_on_third_step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # as if the process were stopped during step 3
+        return real(*a, **k)
+
+    killed.decode_logits = dies_on_third_step
+    with pytest.raises(KeyboardInterrupt):
+        recover.finetune(killed, tiny, x, latex, state_file=state, save_every=2, **kwargs)
+    assert state.is_file() and torch.load(state, weights_only=True)["step"] == 2
+
+    resumed = fresh()
+    info = recover.finetune(resumed, tiny, x, latex, state_file=state, save_every=2, **kwargs)
+    assert info["resumed_at"] == 2 and info["steps"] == 4
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
+        assert torch.equal(a, b)

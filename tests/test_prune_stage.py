@@ -42,6 +42,7 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
     assert v["pruned, after recovery"]["params"] < v["original"]["params"]
     assert m["reload_identical"] is True
     assert m["recovery"]["rounds"][0]["finetune"]["steps"] == 1
+    assert not list((tmp_path / "a" / ".resume").glob("*"))  # finetune checkpoints go once the artifact is complete
     for name in ("report.md", "head_scores.png", "head_scores.json", "model/model.safetensors"):
         assert (out / name).is_file(), name
     assert "| original |" in (out / "report.md").read_text()

@@ -14,7 +14,9 @@
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -261,10 +263,26 @@ def distill(student, teacher, images: torch.Tensor, layers: Sequence[int], epoch
     return report
 
 
+def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: int, first, last) -> None:
+    """Model + optimizer + step, written to a temporary file and renamed (a kill never leaves half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": done,
+                "first_loss": first, "last_loss": last}, tmp)
+    os.replace(tmp, path)
+
+
 def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps: int, minutes: float,
              lr: float = 5e-5, batch_size: int = 4, label_weight: float = 1.0, logit_weight: float = 1.0,
-             memory_weight: float = 1.0, seed: int = 0, progress: bool = False) -> dict[str, float]:
-    """A bounded number of AdamW steps; every weight of the pruned model trains, dropout off."""
+             memory_weight: float = 1.0, seed: int = 0, progress: bool = False,
+             state_file: Path | None = None, save_every: int = 10) -> dict[str, float]:
+    """A bounded number of AdamW steps; every weight of the pruned model trains, dropout off.
+
+    Resumable: with ``state_file``, model + optimizer + step are saved every ``save_every`` steps
+    and when the time bound ends the run; a later call with the same file, the same starting model
+    and the same arguments continues where it stopped (the batch order depends on the step only),
+    giving the weights an uninterrupted run would. The file holds tensors and numbers only and is
+    read with ``weights_only=True``."""
     if steps <= 0 or minutes <= 0 or len(images) == 0:
         return {"steps": 0, "seconds": 0.0}
     model = student.model
@@ -278,8 +296,14 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(images), generator=gen).tolist()
     t0 = time.perf_counter()
-    done, first, last = 0, None, None
-    bar = tqdm(total=steps, desc="recovery finetune", disable=not progress)
+    done, first, last, resumed = 0, None, None, 0
+    if state_file is not None and Path(state_file).is_file():
+        saved = torch.load(state_file, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        done = resumed = int(saved["step"])
+        first, last = saved["first_loss"], saved["last_loss"]
+    bar = tqdm(total=steps, initial=done, desc="recovery finetune", disable=not progress)
     while done < steps and time.perf_counter() - t0 < 60 * minutes:
         start = (done * batch_size) % len(order)
         idx = (order + order)[start:start + batch_size]
@@ -305,7 +329,12 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
         last = value
         bar.update(1)
         bar.set_postfix(loss=f"{value:.3f}")
+        if state_file is not None and done % save_every == 0 and done < steps:
+            _save_state(Path(state_file), model, opt, done, first, last)
     bar.close()
+    if state_file is not None and done < steps:  # stopped by the time bound: keep the place
+        _save_state(Path(state_file), model, opt, done, first, last)
     for p, flag in zip(params, flags):
         p.requires_grad_(flag)
-    return {"steps": done, "seconds": time.perf_counter() - t0, "first_loss": first, "last_loss": last}
+    return {"steps": done, "resumed_at": resumed, "seconds": time.perf_counter() - t0, "first_loss": first,
+            "last_loss": last}

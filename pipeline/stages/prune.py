@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
@@ -182,7 +184,6 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
                             f"prune.min_heads_per_layer={cfg.min_heads_per_layer} head(s); at most {limit} can go")
 
     name = _artifact_name(cfg)
-    from pipeline.artifacts import sha256_json
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
@@ -195,6 +196,9 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             _print_summary(out.metrics)
             return out.manifest
         torch.manual_seed(ctx.seed)
+        # finetune checkpoints live outside the atomic output, keyed by config + inputs, so a killed
+        # run resumes where it stopped; removed once the artifact is complete
+        resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         chosen_scores = all_scores[cfg.criterion]
         removed = select.select_heads(chosen_scores, n_remove, cfg.min_heads_per_layer, cfg.normalize)
         random_removed = select.select_heads(all_scores["random"], n_remove, cfg.min_heads_per_layer, "global")
@@ -216,14 +220,15 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         recovery_log: dict = {}
         if cfg.recovery and n_remove:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log)
+                                        recovery_log, resume / "pruned")
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
             rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log) if cfg.recovery else _removed(original, random_removed)
+                                     train_latex, rnd_log, resume / "random") \
+                if cfg.recovery else _removed(original, random_removed)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
             recovery_log["random"] = rnd_log
@@ -258,6 +263,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         })
         out.metrics.update(metrics)
         _write_report(out.path, cfg, metrics, all_scores, removed, head_counts)
+    shutil.rmtree(resume, ignore_errors=True)
     _print_summary(out.metrics)
     return out.manifest
 
@@ -273,7 +279,7 @@ def _removed(adapter, heads):
 
 
 def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
-                       images: torch.Tensor, latex: list[str], log: dict):
+                       images: torch.Tensor, latex: list[str], log: dict, resume: Path):
     """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each."""
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
@@ -307,7 +313,7 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
         entry["finetune"] = recover.finetune(
             student, original, images, latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
-            seed=ctx.seed + r, progress=ctx.progress)
+            seed=ctx.seed + r, progress=ctx.progress, state_file=resume / f"finetune-round{r}.pt")
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
     log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
@@ -348,7 +354,6 @@ def _baseline(original, items: list[EvalItem], cfg: PruneConfig, ctx: StageConte
     mcfg = ctx.cfg.model
     config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
               "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
-    from pipeline.artifacts import sha256_json
     # one folder per configuration, so sweeps with different eval sets do not evict each other
     with ctx.output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
@@ -369,7 +374,6 @@ def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalI
 def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: dict) -> dict:
     config = {"score_images": cfg.score_images, "seed": ctx.seed, "max_length": int(ctx.cfg.model.max_length),
               "targets": "own_predictions"}
-    from pipeline.artifacts import sha256_json
     with ctx.output(f"prune-head-scores-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if out.reused:
             return json.loads((out.path / "scores.json").read_text())
