@@ -50,3 +50,21 @@ def test_bad_input_in_a_stage_is_one_line(tmp_path):
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert err == [f"error: eval.formulas: no such file {tmp_path / 'missing.txt'}"]
     assert not (tmp_path / "a" / "evaluate").exists()
+
+
+def test_multirun_jobs_go_through_the_joblib_launcher():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import REPO
+    from pipeline.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            cfg = compose(config_name="config", return_hydra_config=True, overrides=["hydra.launcher.n_jobs=3"])
+    finally:
+        GlobalHydra.instance().clear()
+    assert cfg.hydra.launcher._target_ == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+    assert cfg.hydra.launcher.n_jobs == 3

@@ -135,3 +135,22 @@ def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_fo
                              "--tolerance", "-1.0"], capture_output=True, text=True, timeout=300)
     assert strict.returncode == 0 and "No run kept exact match within" in strict.stdout
     assert not list(tmp_path.glob(".tmp-prune-sweep-*"))
+
+
+def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_folder, corpus_root):
+    """``python -m pipeline -m`` with two values: the joblib launcher runs both jobs, each in its own folder."""
+    from conftest import run_cli
+
+    root = tmp_path / "art"
+    shutil.copytree(corpus_root / "corpus", root / "corpus")
+    proc = run_cli("-m", "stage=prune", f"artifacts.dir={root}", f"prune.model={tiny_folder}", "model.threads=1",
+                   *FAST, "prune.compare_random=false", "prune.finetune_steps=0", "prune.num_heads=1,2",
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
+    jobs = [p for p in root.glob("prune-*") if (p / "model").is_dir()]
+    # the overrides are long: each folder name is a readable prefix + a hash of all of them
+    assert len(jobs) == 2 and all(len(p.name) < 110 for p in jobs), sorted(p.name for p in root.iterdir())
+    removed = sorted(json.loads((p / "manifest.json").read_text())["metrics"]["heads_removed"] for p in jobs)
+    assert removed == [1, 2]
+    assert not (root / "prune").exists()

@@ -124,7 +124,9 @@ def _artifact_name(cfg: PruneConfig) -> str:
             own = sorted(o.split("prune.", 1)[1] for o in hc.overrides.task
                          if o.startswith("prune.") and not o.startswith("prune.name="))
             tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(own)) or str(hc.job.num)
-            return f"prune-{tag}"[:120]
+            if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
+                tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"
+            return f"prune-{tag}"
     except (ValueError, ImportError):  # not under Hydra (tests, library use)
         pass
     return "prune"
