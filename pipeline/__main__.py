@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -51,7 +52,15 @@ def run_stages(cfg: DictConfig) -> dict:
     return results
 
 
+def _interrupt(signum, frame) -> NoReturn:
+    raise KeyboardInterrupt
+
+
 def _task(cfg: DictConfig) -> None:
+    try:  # a kill (SIGTERM: a scheduler, a timeout) unwinds like Ctrl-C, so temporary outputs are removed
+        signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread of this process: leave the handler alone
+        pass
     try:
         run_stages(cfg)
     except PipelineError as exc:

@@ -55,3 +55,33 @@ def test_evaluate_formulas_file_and_image_folder(tmp_path):
     assert "skipped 1 unreadable image(s): broken.png" in proc.stdout
     m2 = json.loads((tmp_path / "b" / "evaluate" / "eval.json").read_text())
     assert m2["n"] == 3 and m2["exact_match"] == m["exact_match"]
+
+
+def test_sigterm_during_a_stage_is_one_line_exit_2_and_leaves_no_temp_output(tmp_path):
+    """A scheduler's kill unwinds like Ctrl-C: the temporary output folder is removed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    formulas = [r"\frac{a}{b}", r"x^{2}+y", r"\alpha+\beta"] * 20
+    (tmp_path / "f.txt").write_text("\n".join(formulas) + "\n")
+    art = tmp_path / "a"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "stage=evaluate", f"eval.formulas={tmp_path / 'f.txt'}",
+                             f"artifacts.dir={art}", "model.max_length=160", "model.batch_size=1", "progress=false"],
+                            cwd=REPO, env={**os.environ, "MPLBACKEND": "Agg"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list(art.glob(".tmp-evaluate-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the stage ended before it could be stopped"
+    time.sleep(1.0)  # inside the work now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
+        ["error: interrupted; previous artifacts left as they were"]
+    assert not list(art.glob(".tmp-*")) and not (art / "evaluate").exists()
