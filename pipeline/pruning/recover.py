@@ -206,7 +206,7 @@ def distill(student, teacher, images: torch.Tensor, layers: Sequence[int], epoch
         targets = _teacher_targets(teacher, images, layers, batch_size, after_attention=False)
     gen = torch.Generator().manual_seed(seed)
     report: dict[int, dict[str, float]] = {}
-    for n, l in enumerate(tqdm(layers, desc="distill layers", disable=not progress)):
+    for l in tqdm(layers, desc="distill layers", disable=not progress):
         block = _block_of(student.model, student.encoder_attention(l))
         state: dict = {}
 
