@@ -122,7 +122,7 @@ def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_fo
     runs = {}
     for n in (1, 2):
         _, manifest = _run(tmp_path, tiny_folder, f"prune.num_heads={n}", "prune.compare_random=false",
-                           "prune.finetune_steps=0", f"prune.name=prune-n{n}")
+                           "prune.criterion=ablation", "prune.finetune_steps=0", f"prune.name=prune-n{n}")
         runs[n] = manifest["metrics"]
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prune_sweep.py"), str(tmp_path),
                            "--tolerance", "1.0"], capture_output=True, text=True, timeout=300)
@@ -130,7 +130,7 @@ def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_fo
     report = (tmp_path / "prune-sweep" / "report.md").read_text()
     assert (tmp_path / "prune-sweep" / "sweep.png").stat().st_size > 0
     assert "`prune-n2`: 2 heads removed" in report  # everything is within a tolerance of 1.0: the most heads win
-    assert report.count("| ablation |") == 2  # the default criterion
+    assert report.count("| ablation |") == 2
     strict = subprocess.run([sys.executable, str(REPO / "benchmarks" / "prune_sweep.py"), str(tmp_path),
                              "--tolerance", "-1.0"], capture_output=True, text=True, timeout=300)
     assert strict.returncode == 0 and "No run kept exact match within" in strict.stdout
