@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -187,6 +188,19 @@ def refit(student, teacher, images: torch.Tensor, layers: Sequence[int], ridge: 
     return report
 
 
+@contextlib.contextmanager
+def _trainable(params: Sequence[nn.Parameter]):
+    """Every parameter takes gradients inside; each gets its own ``requires_grad`` back after."""
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
+
+
 def _unit_norm(y: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(y, y.shape[-1:])
 
@@ -231,31 +245,27 @@ def distill(student, teacher, images: torch.Tensor, layers: Sequence[int], epoch
 
         before = rel_error()
         start = {k: v.detach().clone() for k, v in block.state_dict().items()}
-        params = [p for p in block.parameters()]
-        flags = [p.requires_grad for p in params]
-        for p in params:
-            p.requires_grad_(True)
+        params = list(block.parameters())
         opt = torch.optim.Adam(params, lr=lr)
         total = epochs * -(-len(x_all) // batch_size)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total)
-        deadline = time.perf_counter() + 60 * minutes / len(layers)
-        steps = 0
-        for _ in range(epochs):
-            order = torch.randperm(len(x_all), generator=gen)
-            for s in _batches(len(x_all), batch_size):
-                idx = order[s]
-                loss = F.mse_loss(_unit_norm(_out_tensor(block(x_all[idx]))), y_all[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                steps += 1
+        with _trainable(params):
+            deadline = time.perf_counter() + 60 * minutes / len(layers)
+            steps = 0
+            for _ in range(epochs):
+                order = torch.randperm(len(x_all), generator=gen)
+                for s in _batches(len(x_all), batch_size):
+                    idx = order[s]
+                    loss = F.mse_loss(_unit_norm(_out_tensor(block(x_all[idx]))), y_all[idx])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                    steps += 1
+                    if time.perf_counter() > deadline:
+                        break
                 if time.perf_counter() > deadline:
                     break
-            if time.perf_counter() > deadline:
-                break
-        for p, flag in zip(params, flags):
-            p.requires_grad_(flag)
         after = rel_error()
         if after > before:  # the steps did not help on the fit set: keep the block as it was
             block.load_state_dict(start)
@@ -289,10 +299,7 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     model = student.model
     teacher.model.eval()
     model.eval()  # no dropout: the short run should be deterministic and not noisier than it must be
-    params = [p for p in model.parameters()]
-    flags = [p.requires_grad for p in params]
-    for p in params:
-        p.requires_grad_(True)
+    params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(images), generator=gen).tolist()
@@ -305,37 +312,36 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
         done = resumed = int(saved["step"])
         first, last = saved["first_loss"], saved["last_loss"]
     bar = tqdm(total=steps, initial=done, desc="recovery finetune", disable=not progress)
-    while done < steps and time.perf_counter() - t0 < 60 * minutes:
-        start = (done * batch_size) % len(order)
-        idx = (order + order)[start:start + batch_size]
-        x = images[idx]
-        inp, tgt = label_batch(student, [latex[i] for i in idx])
-        with torch.no_grad():
-            t_mem = teacher.encode(x)
-            t_logits = teacher.decode_logits(inp, t_mem).float()
-        mem = student.encode(x)
-        logits = student.decode_logits(inp, mem).float()
-        mask = tgt.ne(student.pad_id)
-        ce = F.cross_entropy(logits[mask], tgt[mask])
-        kl = F.kl_div(F.log_softmax(logits[mask], -1), F.log_softmax(t_logits[mask], -1),
-                      log_target=True, reduction="batchmean")
-        mse = F.mse_loss(mem, t_mem) / t_mem.var().clamp_min(1e-8)
-        loss = label_weight * ce + logit_weight * kl + memory_weight * mse
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        done += 1
-        value = float(loss.detach())
-        first = value if first is None else first
-        last = value
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.3f}")
-        if state_file is not None and done % save_every == 0 and done < steps:
-            _save_state(Path(state_file), model, opt, done, first, last)
+    with _trainable(params):
+        while done < steps and time.perf_counter() - t0 < 60 * minutes:
+            start = (done * batch_size) % len(order)
+            idx = (order + order)[start:start + batch_size]
+            x = images[idx]
+            inp, tgt = label_batch(student, [latex[i] for i in idx])
+            with torch.no_grad():
+                t_mem = teacher.encode(x)
+                t_logits = teacher.decode_logits(inp, t_mem).float()
+            mem = student.encode(x)
+            logits = student.decode_logits(inp, mem).float()
+            mask = tgt.ne(student.pad_id)
+            ce = F.cross_entropy(logits[mask], tgt[mask])
+            kl = F.kl_div(F.log_softmax(logits[mask], -1), F.log_softmax(t_logits[mask], -1),
+                          log_target=True, reduction="batchmean")
+            mse = F.mse_loss(mem, t_mem) / t_mem.var().clamp_min(1e-8)
+            loss = label_weight * ce + logit_weight * kl + memory_weight * mse
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done += 1
+            value = float(loss.detach())
+            first = value if first is None else first
+            last = value
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.3f}")
+            if state_file is not None and done % save_every == 0 and done < steps:
+                _save_state(Path(state_file), model, opt, done, first, last)
     bar.close()
     if state_file is not None and done < steps:  # stopped by the time bound: keep the place
         _save_state(Path(state_file), model, opt, done, first, last)
-    for p, flag in zip(params, flags):
-        p.requires_grad_(flag)
     return {"steps": done, "resumed_at": resumed, "seconds": time.perf_counter() - t0, "first_loss": first,
             "last_loss": last}
