@@ -36,6 +36,7 @@ METHODS: dict[str, Method] = {
     "minmax_ema": Method(CalibrationMethod.MinMax, {"moving_average": True, "averaging_constant": 0.01}),
     "entropy": Method(CalibrationMethod.Entropy),
     "percentile": Method(CalibrationMethod.Percentile, {"percentile": 99.999}),
+    "percentile_99.99": Method(CalibrationMethod.Percentile, {"percentile": 99.99}),
 }
 
 

@@ -62,6 +62,16 @@ class StageContext:
         raise PipelineError(f"no model {ref!r}: not 'original', not a stage with a model under "
                             f"{self.artifacts_dir}, not a saved model folder")
 
+    def chain_model(self, ref: str, upstream: tuple[str, ...] = ("prune",)) -> str:
+        """``auto``: the last stage of ``upstream`` whose model artifact exists (the chain hands its
+        model over), else ``original``; any other reference is returned as it is."""
+        if ref != "auto":
+            return ref
+        for stage in reversed(upstream):
+            if (self.artifacts_dir / stage / MODEL_SUBDIR / "config.json").is_file():
+                return stage
+        return "original"
+
     def load_model(self, ref: str = "original") -> ModelAdapter:
         folder = self.model_folder(ref)
         return load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),

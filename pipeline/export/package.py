@@ -16,6 +16,7 @@ from pipeline.export import onnx_graphs as og
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
+from pipeline.quantization.fusion import fuse_attention
 
 
 @dataclass
@@ -64,6 +65,8 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
                 hist[g]["simplified"] = og.op_histogram(m)
             if target.fuse and not qdq:
                 m = og.fuse_transformer(m, heads[0] if len(heads) == 1 else 0, hidden, Path(tmp), g)
+                if g == "encoder":  # what the transformer optimizer leaves: the unmasked ViT attention
+                    fuse_attention(m)
                 hist[g]["fused"] = og.op_histogram(m)
             if target.fp16_weights:
                 m = og.to_fp16(m)

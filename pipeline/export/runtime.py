@@ -79,19 +79,28 @@ class OnnxPackage:
             so.intra_op_num_threads = int(threads)
             so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        self._session_args = (so, providers)
         self.sessions = {}
         for graph in ("encoder", "decoder_first", "decoder_step"):
             path = self.folder / self.meta["graphs"][graph]
             if not path.is_file():
                 raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
-            try:
-                self.sessions[graph] = ort.InferenceSession(str(path), so, providers=providers)
-            except Exception as exc:  # onnxruntime raises its own exception types
-                raise PipelineError(f"{graph}: ONNX Runtime cannot load {path.name}: {str(exc).splitlines()[0]}") from None
+            self.use_graph(graph, path)
         self.io = self.meta["io"]
         self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
         self.num_layers = int(self.meta["num_layers"])
+
+    def use_graph(self, graph: str, path: str | Path) -> None:
+        """Run ``graph`` from ``path`` (same inputs and outputs): how a quantized encoder variant is
+        tried against the package's decoder without writing a package per variant."""
+        import onnxruntime as ort
+
+        so, providers = self._session_args
+        try:
+            self.sessions[graph] = ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise PipelineError(f"{graph}: ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from None
 
     # ---- steps --------------------------------------------------------------------------------
     def preprocess(self, image: Image.Image) -> np.ndarray:

@@ -1,22 +1,489 @@
-"""Stage quantize (not built yet)."""
+"""Stage quantize: INT8 where it is safe, float where it is not, chosen by per-layer sensitivity.
+
+``python -m pipeline stage=quantize`` takes the model the chain hands over (the pruned model when the
+prune stage's artifact exists, else the original; ``quantize.model=`` overrides), exports its
+encoder to float ONNX with the export stage's graph code, and with the calibrate stage's set:
+
+1. compares calibration methods (ORT's MinMax, moving-average MinMax, Percentile, Entropy) on the
+   same INT8 graph: encoder SNR, exact match and CER of greedy readings, calibration time;
+2. measures every matrix-multiply group's sensitivity both ways (only it INT8; all but it INT8);
+3. returns the most sensitive groups to float until the exact-match loss against the float model,
+   read on calibration-split formulas, is within ``quantize.budget`` (binary search over the ranking);
+4. writes the plan (``plan.json``, editable, ``quantize.plan=FILE`` applies one), the QDQ encoders
+   (``encoder.qdq.onnx``: plain ops for TensorRT / Metax; ``encoder.ort_cpu.qdq.onnx``: ONNX Runtime
+   fusions + the same plan), and the report with its sensitivity bar chart and heat map;
+5. checks the result on eval-split formulas next to the anchors (float, ``quantize_dynamic``,
+   ``quantize_static`` defaults, ModelOpt INT8) in one table.
+
+Scheme: symmetric INT8, per-channel weights, per-tensor activations, explicit Q/DQ. The decoder
+graphs stay float (FP32 on ``ort_cpu``; export casts them to FP16 for TensorRT / Metax).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
 
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from calibration import sensitivity
+from calibration.calibrators import METHODS, CalibSetReader, load_calib_set
+from pipeline.context import StageContext, file_hash
+from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
+from pipeline.quantization import anchors, qdq
+from pipeline.quantization.groups import find_groups
+from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
+from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan
+from pipeline.quantization.graphs import FloatGraphs, float_graphs
+from pipeline.reports import markdown_table, plt, savefig
 
 NAME = "quantize"
 CONFIG_KEY = "quantize"
-BUILT = False
+BUILT = True
+log = logging.getLogger(__name__)
+QDQ_ENCODER = "encoder.qdq.onnx"              # plain ops + Q/DQ: TensorRT, Metax
+QDQ_ENCODER_ORT = "encoder.ort_cpu.qdq.onnx"  # ONNX Runtime fusions + Q/DQ: ort_cpu
 
 
 @dataclass
 class QuantizeConfig:
-    pass
+    model: str = "auto"               # auto = the prune stage's model when it exists, else original | a stage | a folder
+    calibration: str = "calibrate"    # the calibrate stage's artifact (name under artifacts, or a folder)
+    methods: list[str] = field(default_factory=lambda: ["minmax", "minmax_ema", "percentile_99.99",
+                                                        "percentile", "entropy"])
+    method: str = "auto"              # auto = the best of the comparison | one of calibration.calibrators.METHODS
+    calib_images: int = 32            # calibration-set rows the ranges come from
+    search_images: int = 96           # the next rows (with their formulas): accuracy during the search
+    sensitivity_images: int = 8       # rows whose encoder output scores each group
+    metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
+    budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
+    plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
+    eval_limit: int = 64              # eval-split formulas for the final check and the anchors
+    anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
+    latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
+    name: str = "quantize"            # artifact folder
 
 
 Config = QuantizeConfig
 
 
-def run(cfg: QuantizeConfig, ctx) -> dict:
-    raise PipelineError("stage 'quantize' is not built yet")
+def _validate(cfg: QuantizeConfig) -> None:
+    for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images"):
+        if getattr(cfg, key) < 1:
+            raise PipelineError(f"quantize.{key} must be >= 1, got {getattr(cfg, key)}")
+    if not 0.0 <= cfg.budget < 1.0:
+        raise PipelineError(f"quantize.budget must be in [0, 1) (a share of exact match), got {cfg.budget}")
+    unknown = [m for m in cfg.methods if m not in METHODS]
+    if unknown or not cfg.methods:
+        raise PipelineError(f"quantize.methods: unknown {unknown or '[]'}; known: {', '.join(METHODS)}")
+    if cfg.method != "auto" and cfg.method not in METHODS:
+        raise PipelineError(f"quantize.method={cfg.method!r}; known: auto, {', '.join(METHODS)}")
+    sensitivity.metric(cfg.metric)
+
+
+def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
+    for cand in (ctx.artifacts_dir / cfg.calibration, Path(cfg.calibration)):
+        if (cand / "calib_set").is_dir():
+            return cand
+    raise PipelineError(f"quantize.calibration={cfg.calibration}: no calibration set there; "
+                        f"run stage=calibrate first")
+
+
+def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
+    _validate(cfg)
+    model_ref = ctx.chain_model(cfg.model, upstream=("prune",))
+    calib_folder = _calib_folder(cfg, ctx)
+    calib_set = load_calib_set(calib_folder)
+    if "text" not in calib_set.column_names:
+        raise PipelineError(f"{calib_folder}: the calibration set has no 'text' column; the plan search "
+                            f"reads its formulas (build it from a labelled source)")
+    need = cfg.calib_images + cfg.search_images
+    if len(calib_set) < need:
+        raise PipelineError(f"quantize: calib_images + search_images = {need} > {len(calib_set)} images in "
+                            f"{calib_folder}; lower them or build a larger set (calibrate.size)")
+    inputs = {"model": ctx.model_hash(model_ref), "calib_set": file_hash(calib_folder / "calib_set"),
+              "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"] if _has_corpus(ctx) else ""}
+    if cfg.plan:
+        inputs["plan"] = file_hash(Path(cfg.plan)) if Path(cfg.plan).is_file() else "missing"
+    mcfg = ctx.cfg.model
+    config = {**asdict(cfg), "model_ref": model_ref, "max_length": int(mcfg.max_length),
+              "batch_size": int(mcfg.batch_size)}
+    print(f"[quantize] model: {model_ref}" + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""),
+          flush=True)
+    with ctx.output(cfg.name, config, inputs) as out:
+        if out.reused:
+            print(f"[quantize] unchanged, reused {out.path}")
+            _print_summary(out.metrics)
+            return out.manifest
+        metrics = _quantize(cfg, ctx, model_ref, calib_set, out.path)
+        out.metrics.update(metrics)
+    _print_summary(metrics)
+    return out.manifest
+
+
+def _has_corpus(ctx: StageContext) -> bool:
+    return (ctx.artifacts_dir / "corpus" / "manifest.json").is_file()
+
+
+def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set, folder: Path) -> dict:
+    mcfg = ctx.cfg.model
+    max_length, batch = int(mcfg.max_length), int(mcfg.batch_size)
+    adapter = ctx.load_model(model_ref)
+    scratch = folder / ".work"
+    scratch.mkdir()
+    started = time.perf_counter()
+    graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, ctx.model_hash(model_ref),
+                                       threads=int(mcfg.threads or 0))
+    groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
+    by_name = {g.name: g for g in groups}
+    weight_groups = [g.name for g in groups if g.kind == "weights"]
+    given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
+
+    rows = calib_set.with_format("numpy", columns=["pixel_values"])
+    search_images = np.asarray(rows[cfg.calib_images:cfg.calib_images + cfg.search_images]["pixel_values"], np.float32)
+    search_truths = calib_set[cfg.calib_images:cfg.calib_images + cfg.search_images]["text"]
+    sens_images = search_images[:cfg.sensitivity_images]
+    package = graphs.package
+    float_reading = read(package, graphs.encoder_std, search_images, search_truths, max_length, batch)
+    ref_memory = encoder_outputs(package, graphs.encoder_std, sens_images)
+    score = sensitivity.metric(cfg.metric)
+
+    def reader(limit: int):
+        return CalibSetReader(calib_set, "images", batch_size=8, limit=limit)
+
+    def build(model: Path, cache: Path, method: str, names, out: Path) -> Path:
+        qdq.quantize(model, out, cache, method, [by_name[n].node for n in names])
+        return out
+
+    # 1. calibration methods side by side (weight groups INT8: the point every plan starts near)
+    method_rows, caches = [], {}
+    for method in tqdm([] if given else cfg.methods, desc="calibration methods", disable=not ctx.progress):
+        cache = scratch / f"ranges.{method}.json"
+        seconds = qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), method, cache)
+        caches[method] = cache
+        variant = build(graphs.encoder_std, cache, method, weight_groups, scratch / f"enc.{method}.onnx")
+        r = read(package, variant, search_images, search_truths, max_length, batch)
+        method_rows.append({"method": method, "exact_match": r.exact_match, "cer": r.cer,
+                            "snr_db": sensitivity.SNR().score(ref_memory, encoder_outputs(package, variant, sens_images)),
+                            "identical": r.identical_to(float_reading), "calibration_s": round(seconds, 1)})
+    if given:
+        chosen = given.method
+    else:
+        chosen = cfg.method if cfg.method != "auto" else max(
+            method_rows, key=lambda m: (round(m["exact_match"], 6), m["snr_db"]))["method"]
+    if chosen not in caches:
+        caches[chosen] = scratch / f"ranges.{chosen}.json"
+        qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), chosen, caches[chosen])
+    cache = caches[chosen]
+
+    def memory_with(names) -> np.ndarray:
+        return encoder_outputs(package, build(graphs.encoder_std, cache, chosen, names, scratch / "probe.onnx"), sens_images)
+
+    # 2. sensitivity, both views (a given plan carries the numbers it was made with)
+    sens_started = time.perf_counter()
+    if given:
+        sens = [sensitivity.GroupSensitivity(g.name, *[float(given.groups[g.name].sensitivity.get(k, float("nan")))
+                                                        if g.name in given.groups else float("nan")
+                                                        for k in ("only", "all_but", "gain")]) for g in groups]
+        all_int8_score = float(given.measured.get("all_int8_" + cfg.metric, float("nan")))
+    else:
+        all_int8_score, sens = sensitivity.measure([g.name for g in groups], memory_with, ref_memory, score,
+                                                   ctx.progress)
+    sens_seconds = time.perf_counter() - sens_started
+    ranked = sensitivity.ranking(sens)
+
+    # 3. the plan: given, or searched
+    search_started = time.perf_counter()
+    trace: list[dict] = []
+    if given:
+        plan = given
+        for name in by_name:  # groups the file leaves out stay float
+            plan.groups.setdefault(name, GroupPlan("float", by_name[name].node, by_name[name].kind, by_name[name].macs))
+        int8 = plan.int8_groups()
+        r = read(package, build(graphs.encoder_std, cache, chosen, int8, scratch / "plan.onnx"),
+                 search_images, search_truths, max_length, batch)
+        loss = float_reading.exact_match - r.exact_match
+        plan.met_budget = loss <= cfg.budget + 1e-9
+        plan.budget = cfg.budget
+        trace.append({"float_groups": len(by_name) - len(int8), "exact_match": r.exact_match, "loss": loss})
+        plan.note = f"applied from {cfg.plan}"
+    else:
+        order = [r.group for r in ranked]
+
+        def loss_with_float(k: int) -> float:
+            names = [g for g in by_name if g not in set(order[:k])]
+            r = read(package, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
+                     search_images, search_truths, max_length, batch)
+            loss = float_reading.exact_match - r.exact_match
+            trace.append({"float_groups": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
+                          "cer": r.cer, "loss": loss, "int8_mac_share": _mac_share(by_name, names)})
+            return loss
+
+        k = _smallest_within(loss_with_float, len(order), cfg.budget, ctx.progress)
+        met = k is not None
+        k = len(order) if k is None else k
+        float_set = set(order[:k])
+        plan = Plan(method=chosen, budget=cfg.budget, met_budget=met, groups={
+            g.name: GroupPlan("float" if g.name in float_set else "int8", g.node, g.kind, g.macs,
+                              {"only": _num(x.only), "all_but": _num(x.all_but), "gain": _num(x.gain)})
+            for g, x in zip(groups, sens)})
+        if not met:
+            plan.note = "no plan met the budget: the best found (every group float) is written"
+    search_seconds = time.perf_counter() - search_started
+
+    # 4. the deliverables: both QDQ encoders from the plan
+    int8 = plan.int8_groups()
+    final_std = build(graphs.encoder_std, cache, chosen, int8, folder / QDQ_ENCODER)
+    ort_cache = scratch / f"ranges.ort_cpu.{chosen}.json"
+    qdq.calibrate(graphs.encoder_ort, reader(cfg.calib_images), chosen, ort_cache)
+    ort_groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort)))}
+    qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_cache, chosen,
+                 [ort_groups[n].node for n in int8 if n in ort_groups])
+    final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
+    ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
+    plan.measured = {
+        "search_set": f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(search_truths) - 1}",
+        "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
+        "plan_exact_match": final_reading.exact_match, "plan_cer": final_reading.cer,
+        "ort_cpu_exact_match": ort_reading.exact_match, "ort_cpu_cer": ort_reading.cer,
+        "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
+    }
+    plan.save(folder / "plan.json")
+
+    # 5. the check on eval formulas, beside the anchors
+    table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds)
+    metrics = {
+        "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
+        "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
+        "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
+        "search": plan.measured, "search_trace": trace, "anchors": table,
+        "sensitivity": [{"group": s.group, "only": _num(s.only), "all_but": _num(s.all_but), "gain": _num(s.gain),
+                         "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
+        "all_int8_score": _num(all_int8_score), "metric": cfg.metric,
+        "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
+                    "total": round(time.perf_counter() - started, 1)},
+        "decoder": "float (FP32 on ort_cpu; export casts it to FP16 for tensorrt and metax)",
+    }
+    (folder / "quantize.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    _plots(folder, ranked, by_name, cfg.metric)
+    _write_report(folder, metrics, plan)
+    shutil.rmtree(scratch)
+    if not plan.met_budget:
+        print(f"[quantize] warning: no plan met the budget of {cfg.budget:.3f} exact-match loss; "
+              f"the best found is written to plan.json, marked as such", flush=True)
+    return metrics
+
+
+def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> Optional[int]:
+    """Smallest number of most-sensitive groups returned to float whose loss is within ``budget``;
+    binary search, assuming the loss does not grow as groups return to float. None if even all fail."""
+    bar = tqdm(total=max(1, int(np.ceil(np.log2(n + 1))) + 1), desc="plan search", disable=not progress)
+    try:
+        if loss_with_float(0) <= budget + 1e-9:
+            return 0
+        bar.update()
+        lo, hi = 0, n  # loss(lo) > budget; hi = every group float = the float encoder: loss 0
+        if loss_with_float(n) > budget + 1e-9:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            bar.update()
+            if loss_with_float(mid) <= budget + 1e-9:
+                hi = mid
+            else:
+                lo = mid
+        return hi
+    finally:
+        bar.close()
+
+
+def _mac_share(by_name, names) -> float:
+    total = sum(g.macs for g in by_name.values())
+    return sum(by_name[n].macs for n in names) / total if total else 0.0
+
+
+def _num(x: float) -> float:
+    """A JSON-safe number: +-1e9 for infinities (SNR of an exact match), None-free."""
+    if np.isnan(x):
+        return float("nan")
+    return round(float(x), 4) if np.isfinite(x) else (1e9 if x > 0 else -1e9)
+
+
+def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter) -> tuple[np.ndarray, list[str]]:
+    images, truths = [], []
+    for f in ctx.split("eval"):
+        if len(images) >= cfg.eval_limit:
+            break
+        try:
+            images.append(adapter.preprocess(render_formula(f.latex)).numpy())
+        except RenderError:
+            continue
+        truths.append(f.latex)
+    if not images:
+        raise PipelineError("quantize: no eval formula could be rendered")
+    return np.stack(images).astype(np.float32), truths
+
+
+def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
+                   scratch: Path, search_seconds: float) -> list[dict]:
+    """Float, ours and the anchors on the same eval formulas and session options: one table."""
+    max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
+    images, truths = _eval_set(cfg, ctx, adapter)
+    int8 = set(plan.int8_groups())
+    variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
+        "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
+        "ours (plan, ort_cpu graph)": (folder / QDQ_ENCODER_ORT, _mac_share(by_name, int8 & _weights(by_name)), search_seconds),
+        "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
+    }
+    notes: dict[str, str] = {}
+    if cfg.anchors:
+        for name, (path, share, secs, note) in anchors.build_all(graphs, scratch, calib_set, cfg.calib_images,
+                                                                  by_name).items():
+            if path is None:
+                notes[name] = note
+                continue
+            variants[name] = (path, share, secs)
+            if note:
+                notes[name] = note
+    readings: dict[str, Reading] = {}
+    for name, (path, _, _) in tqdm(variants.items(), desc="eval check", disable=not ctx.progress):
+        readings[name] = read(graphs.package, path, images, truths, max_length, batch)
+    k = min(cfg.latency_images + 1, len(images))
+    timed = latency({n: (graphs.open_package(threads=1), p) for n, (p, _, _) in variants.items()},
+                    images[:k], max_length)
+    base = readings["float (ort_cpu package)"]
+    rows = []
+    for name, (path, share, secs) in variants.items():
+        r, t = readings[name], timed[name]
+        rows.append({"variant": name, "exact_match": r.exact_match, "cer": r.cer,
+                     "identical_vs_float": r.identical_to(base), "encoder_ms": t["encoder_ms"],
+                     "decoder_ms_per_step": t["decoder_ms_per_step"], "total_ms": t["total_ms"],
+                     "size_mb": path.stat().st_size / 2 ** 20, "int8_mac_share": share,
+                     "search_s": round(secs, 1), "n": len(truths), "note": notes.get(name, "")})
+    for name, note in notes.items():
+        if name not in variants:
+            rows.append({"variant": name, "note": note})
+    return rows
+
+
+def _weights(by_name) -> set[str]:
+    return {n for n, g in by_name.items() if g.kind == "weights"}
+
+
+def _plots(folder: Path, ranked, by_name, metric: str) -> None:
+    names = [r.group for r in ranked]
+    fig, ax = plt.subplots(figsize=(8, max(3.5, 0.28 * len(names))))
+    y = np.arange(len(names))
+    ax.barh(y + 0.2, [_num(r.gain) for r in ranked], 0.4, color="#ee6677", label="gain when returned to float")
+    ax.barh(y - 0.2, [min(_num(r.only), 80) for r in ranked], 0.4, color="#4477aa", label=f"{metric}, only this group INT8")
+    ax.set_yticks(y, names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(metric)
+    ax.set_title("Per-group quantization sensitivity (most sensitive first)")
+    ax.legend(fontsize=7, loc="lower right")
+    savefig(fig, folder / "sensitivity.png")
+    blocks = sorted({by_name[n].block for n in names}, key=lambda b: (len(b), b))
+    roles = sorted({by_name[n].role for n in names})
+    grid = np.full((len(roles), len(blocks)), np.nan)
+    for r in ranked:
+        g = by_name[r.group]
+        grid[roles.index(g.role), blocks.index(g.block)] = min(_num(r.only), 80)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(blocks), 1 + 0.45 * len(roles)))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(len(blocks)), blocks, fontsize=7, rotation=20)
+    ax.set_yticks(range(len(roles)), roles, fontsize=7)
+    for i in range(len(roles)):
+        for j in range(len(blocks)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=7, color="w")
+    fig.colorbar(im, ax=ax, label=f"{metric}, only this group INT8 (low = sensitive)")
+    ax.set_title("Sensitivity: layer x block")
+    savefig(fig, folder / "sensitivity_heatmap.png")
+    _pareto(folder)
+
+
+def _pareto(folder: Path) -> None:
+    data = json.loads((folder / "quantize.json").read_text()) if (folder / "quantize.json").is_file() else None
+    if not data:
+        return
+    rows = [r for r in data["anchors"] if "total_ms" in r]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in rows:
+        ax.scatter(r["total_ms"], r["exact_match"], s=40)
+        ax.annotate(r["variant"], (r["total_ms"], r["exact_match"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("end-to-end ms / formula (batch 1, 1 thread)")
+    ax.set_ylabel(f"exact match ({rows[0]['n'] if rows else 0} eval formulas)")
+    ax.set_title("Latency vs exact match")
+    savefig(fig, folder / "pareto.png")
+
+
+def _write_report(folder: Path, m: dict, plan: Plan) -> None:
+    methods = markdown_table(["method", "exact match", "CER", "encoder SNR dB", "identical tokens vs float",
+                              "calibration s"],
+                             [[r["method"] + (" **(chosen)**" if r["method"] == m["method"] else ""),
+                               f"{r['exact_match']:.3f}", f"{r['cer']:.3f}", f"{r['snr_db']:.1f}",
+                               f"{r['identical']:.3f}", r["calibration_s"]] for r in m["methods"]])
+    sens = markdown_table(["rank", "group", "kind", "MACs (M)", f"only this INT8 ({m['metric']})",
+                           "all but this INT8", "gain", "plan"],
+                          [[i + 1, f"`{r['group']}`", r["kind"], f"{r['macs'] / 1e6:.0f}", f"{r['only']:.1f}",
+                            f"{r['all_but']:.1f}", f"{r['gain']:.1f}", plan.groups[r["group"]].precision]
+                           for i, r in enumerate(m["sensitivity"])])
+    anchors_rows = []
+    for r in m["anchors"]:
+        if "total_ms" not in r:
+            anchors_rows.append([r["variant"], "", "", "", "", "", "", "", "", "", r["note"]])
+            continue
+        anchors_rows.append([r["variant"], f"{r['exact_match']:.3f}", f"{r['cer']:.3f}",
+                             f"{r['identical_vs_float']:.3f}", f"{r['encoder_ms']:.1f}",
+                             f"{r['decoder_ms_per_step']:.2f}", f"{r['total_ms']:.1f}", f"{r['size_mb']:.1f}",
+                             f"{r['int8_mac_share']:.2f}", r["search_s"], r["note"]])
+    anchors_t = markdown_table(["variant", "exact match", "CER", "identical tokens vs float", "encoder ms",
+                                "decoder ms/step", "end-to-end ms", "encoder MB", "INT8 share of MatMul MACs",
+                                "search s", "note"], anchors_rows)
+    s = m["search"]
+    trace = markdown_table(["groups returned to float", "last returned", "exact match", "loss vs float",
+                            "INT8 MAC share"],
+                           [[t["float_groups"], f"`{t.get('returned')}`" if t.get("returned") else "",
+                             f"{t['exact_match']:.3f}", f"{t['loss']:+.3f}", f"{t.get('int8_mac_share', float('nan')):.2f}"]
+                            for t in m["search_trace"]])
+    status = "met" if m["met_budget"] else "**NOT met: the best plan found is written, marked as such**"
+    n_eval = next((r["n"] for r in m["anchors"] if "n" in r), 0)
+    (folder / "report.md").write_text(
+        f"# Quantization: {m['model']}\n\n"
+        f"Symmetric INT8 (zero point 0), per-channel weights, per-tensor activations, explicit Q/DQ "
+        f"(ONNX Runtime `quantize_static`, ranges from ORT's calibrators). Decoder: {m['decoder']}.\n\n"
+        f"Plan: **{m['int8_groups']} of {m['groups']} groups INT8**, {m['int8_mac_share']:.0%} of the encoder's "
+        f"MatMul MACs; budget {m['budget']:.3f} exact-match loss vs float: {status}. "
+        f"On the search set ({s['search_set']}): float {s['float_exact_match']:.3f} / CER {s['float_cer']:.3f}, "
+        f"plan {s['plan_exact_match']:.3f} / {s['plan_cer']:.3f} (ort_cpu graph {s['ort_cpu_exact_match']:.3f}).\n\n"
+        f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
+        f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
+        f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\nSmoothQuant: not run "
+        f"(ONNX Runtime's needs `neural-compressor`, not a dependency here).\n\n"
+        f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
+        f"all groups INT8: {m['all_int8_score']:.1f})\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
+        f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n{trace}\n\n"
+        f"## Check on {n_eval} eval formulas, beside the anchors (same formulas, same session options)\n\n"
+        f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
+        f"images interleaved across variants; compare ratios within this run. Seconds: sensitivity "
+        f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}.\n")
+
+
+def _print_summary(m: dict) -> None:
+    ours = next((r for r in m["anchors"] if r["variant"].startswith("ours (plan, ort_cpu")), None)
+    base = next((r for r in m["anchors"] if r["variant"].startswith("float")), None)
+    speed = ""
+    if ours and base and "total_ms" in ours:
+        speed = (f"; eval check n={ours['n']}: exact match {base['exact_match']:.3f} -> {ours['exact_match']:.3f}, "
+                 f"encoder {base['encoder_ms'] / ours['encoder_ms']:.2f}x, end to end "
+                 f"{base['total_ms'] / ours['total_ms']:.2f}x faster (ort_cpu, 1 thread)")
+    print(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
+          f"({m['int8_mac_share']:.0%} of MatMul MACs), budget {'met' if m['met_budget'] else 'NOT met'}{speed}",
+          flush=True)

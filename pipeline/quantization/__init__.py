@@ -1,0 +1,1 @@
+"""Quantization building blocks (graph fusion, quantizable groups, QDQ graphs, plans) for stage quantize."""

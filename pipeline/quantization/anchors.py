@@ -1,0 +1,86 @@
+"""The anchors quantize compares itself with, each with its library's defaults, on the same float
+ort_cpu encoder: ONNX Runtime ``quantize_dynamic``, ONNX Runtime ``quantize_static``, ModelOpt ONNX
+INT8. An anchor that cannot run here is named with the reason instead of a number."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from calibration.calibrators import CalibSetReader
+from pipeline.quantization import qdq
+from pipeline.quantization.groups import find_groups
+
+log = logging.getLogger(__name__)
+
+
+def int8_mac_share(model_path: Path, tokens: int, hidden: int) -> float:
+    """Share of MatMul/Gemm MACs whose inputs come through DequantizeLinear or a dynamic quantizer."""
+    model = onnx.load(str(model_path))
+    producer = {o: n for n in model.graph.node for o in n.output}
+    total = int8 = 0
+    quantized_ops = {"MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "MatMulIntegerToFloat", "QGemm"}
+    for g in find_groups(model, tokens, hidden):
+        node = next(n for n in model.graph.node if n.name == g.node)
+        total += g.macs
+        if any(producer.get(i) is not None and producer[i].op_type == "DequantizeLinear" for i in node.input):
+            int8 += g.macs
+    if not total:  # quantize_dynamic replaces the MatMuls themselves
+        return 1.0 if any(n.op_type in quantized_ops for n in model.graph.node) else 0.0
+    return int8 / total
+
+
+def build_all(graphs, workdir: Path, calib_set, calib_images: int, by_name) -> dict[str, tuple]:
+    """name -> (encoder path or None, INT8 MAC share, seconds to build, note)."""
+    out: dict[str, tuple] = {}
+    tokens, hidden = graphs.memory_length, graphs.hidden_size
+    weights_share = sum(g.macs for g in by_name.values() if g.kind == "weights") / max(1, sum(g.macs for g in by_name.values()))
+
+    t0 = time.perf_counter()
+    path = workdir / "anchor.dynamic.onnx"
+    qdq.dynamic(graphs.encoder_ort, path)
+    out["ORT quantize_dynamic"] = (path, weights_share, time.perf_counter() - t0, "")
+
+    t0 = time.perf_counter()
+    path = workdir / "anchor.static.onnx"
+    qdq.static_defaults(graphs.encoder_ort, path, CalibSetReader(calib_set, "images", batch_size=8, limit=calib_images))
+    out["ORT quantize_static (defaults)"] = (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
+                                            "U8 activations, per-tensor, MinMax")
+
+    out["ModelOpt ONNX INT8"] = _modelopt(graphs.encoder_std, workdir, calib_set, calib_images, tokens, hidden)
+    if importlib.util.find_spec("nncf") is None:
+        out["NNCF quantize_with_accuracy_control"] = (None, 0.0, 0.0, "not run: nncf is not installed "
+                                                      "(optional: pip install '.[compare]')")
+    return out
+
+
+def _modelopt(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int) -> tuple:
+    try:
+        from modelopt.onnx.quantization import quantize as modelopt_quantize
+    except ImportError as exc:
+        return (None, 0.0, 0.0, f"not run: modelopt.onnx cannot be imported ({exc.msg.splitlines()[0]})")
+    data = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:calib_images]["pixel_values"],
+                      dtype=np.float32)
+    path = workdir / "anchor.modelopt.onnx"
+    t0 = time.perf_counter()
+    root = logging.getLogger()
+    level = root.level
+    try:
+        # defaults, except: calibrate on the CPU (no GPU here) and keep the float part FP32 (its
+        # default FP16 has no fast path in ONNX Runtime on x86)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            modelopt_quantize(str(encoder), quantize_mode="int8", calibration_data={"images": data},
+                              calibration_eps=["cpu"], output_path=str(path), high_precision_dtype="fp32",
+                              log_level="ERROR")
+    except Exception as exc:  # modelopt raises many types; the anchor is reported as not run
+        return (None, 0.0, 0.0, f"not run: ModelOpt failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+    finally:
+        root.setLevel(level)
+    return (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
+            "calibration_eps=cpu, high_precision_dtype=fp32, opset raised to 19 by ModelOpt")

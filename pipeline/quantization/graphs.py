@@ -1,0 +1,50 @@
+"""The float graphs stage quantize starts from, made by the export stage's own graph code."""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from pipeline.export import onnx_graphs as og
+from pipeline.export.package import build_graphs, decoder_shapes, exported_graphs, write_package
+from pipeline.export.runtime import OnnxPackage
+from pipeline.export.targets import resolve_target
+
+OPSET = 17
+
+
+@dataclass
+class FloatGraphs:
+    encoder_std: Path      # onnxsim'd encoder, plain ONNX ops (what TensorRT / Metax graphs start from)
+    encoder_ort: Path      # the ort_cpu package's encoder: ORT fusions + fused attention
+    package_dir: Path      # a float ort_cpu package (encoder + KV-cached decoder) for greedy readings
+    package: OnnxPackage
+    memory_length: int
+    hidden_size: int
+
+    def open_package(self, threads: int = 0) -> OnnxPackage:
+        return OnnxPackage(self.package_dir, threads=threads, provider="CPUExecutionProvider")
+
+
+def ort_cpu_target():
+    """The ``ort_cpu`` target with its default settings (conf/target/ort_cpu.yaml)."""
+    return resolve_target(types.SimpleNamespace(
+        name="ort_cpu", opset=OPSET, max_opset=None, max_ir_version=None, allow_contrib_ops=True,
+        fp16_weights=False, fuse=True, provider="CPUExecutionProvider", provider_options={}))
+
+
+def float_graphs(adapter, workdir: Path, max_length: int, model_key: str, threads: int = 0) -> FloatGraphs:
+    target = ort_cpu_target()
+    built = build_graphs(adapter, target, True, None, lambda _: None, model_key)
+    package_dir = workdir / "float-package"
+    package_dir.mkdir()
+    write_package(package_dir, adapter, built, target, max_length)
+    std = og.simplify(exported_graphs(adapter, OPSET, model_key)["encoder"], "encoder")
+    std_path = workdir / "encoder.std.onnx"
+    onnx.save(std, str(std_path))
+    shapes = decoder_shapes(adapter)
+    return FloatGraphs(std_path, package_dir / "encoder.onnx", package_dir,
+                       OnnxPackage(package_dir, threads=threads, provider="CPUExecutionProvider"),
+                       shapes["memory_length"], shapes["hidden_size"])

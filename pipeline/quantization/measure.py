@@ -1,0 +1,72 @@
+"""Scoring a quantized encoder the way a user meets it: greedy decoding with the package's float
+decoder (ONNX Runtime), exact match and CER against the truth, identical tokens vs float."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.export.runtime import OnnxPackage
+from pipeline.metrics import corpus_cer, normalize
+
+
+@dataclass
+class Reading:
+    """One variant's greedy readings of a fixed image set."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    exact: list[bool]
+    cer: float
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def exact_match(self) -> float:
+        return float(np.mean(self.exact)) if self.exact else 0.0
+
+    def identical_to(self, other: "Reading") -> float:
+        return float(np.mean([a == b for a, b in zip(self.token_ids, other.token_ids)])) if self.token_ids else 0.0
+
+
+def read(package: OnnxPackage, encoder: Path | None, images: np.ndarray, truths: Sequence[str],
+         max_length: int, batch_size: int) -> Reading:
+    """Decode ``images`` with ``encoder`` (None: the package's own) and the package's decoder."""
+    if encoder is not None:
+        package.use_graph("encoder", encoder)
+    result = package.generate(images, max_length=max_length, batch_size=batch_size)
+    exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
+    return Reading(result.token_ids, result.texts, exact, corpus_cer(result.texts, list(truths)), result.steps)
+
+
+def encoder_outputs(package: OnnxPackage, encoder: Path, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
+    package.use_graph("encoder", encoder)
+    return np.concatenate([package.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+
+
+def latency(packages: dict[str, tuple[OnnxPackage, Path | None]], images: np.ndarray, max_length: int,
+            warmup: int = 1) -> dict[str, dict[str, float]]:
+    """Batch-1 latency per variant, images interleaved across variants so all see the same load.
+
+    ``packages`` maps a variant to (a package opened with its own sessions, encoder path or None)."""
+    for pkg, enc in packages.values():
+        if enc is not None:
+            pkg.use_graph("encoder", enc)
+        for img in images[:warmup]:
+            pkg.generate(img[None], max_length=max_length, batch_size=1)
+    acc = {k: {"encoder_s": 0.0, "decoder_s": 0.0, "total_s": 0.0, "steps": 0} for k in packages}
+    for img in images[warmup:]:
+        for name, (pkg, _) in packages.items():
+            t0 = time.perf_counter()
+            r = pkg.generate(img[None], max_length=max_length, batch_size=1)
+            acc[name]["total_s"] += time.perf_counter() - t0
+            acc[name]["encoder_s"] += r.encoder_seconds
+            acc[name]["decoder_s"] += r.decoder_seconds
+            acc[name]["steps"] += r.steps[0]
+    n = max(1, len(images) - warmup)
+    return {k: {"encoder_ms": 1000 * v["encoder_s"] / n, "decoder_ms": 1000 * v["decoder_s"] / n,
+                "total_ms": 1000 * v["total_s"] / n,
+                "decoder_ms_per_step": 1000 * v["decoder_s"] / max(1, v["steps"]), "n": n}
+            for k, v in acc.items()}

@@ -1,0 +1,82 @@
+"""The mixed-precision plan: which group runs INT8 and which stays float, as a JSON file a person
+can read, edit and feed back (``quantize.plan=FILE``)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeline.errors import PipelineError
+
+FORMAT = "formula-compress quantize plan v1"
+PRECISIONS = ("int8", "float")
+
+
+@dataclass
+class GroupPlan:
+    precision: str             # int8 | float
+    node: str                  # ONNX node name in the plain (TensorRT / Metax) encoder graph
+    kind: str                  # weights | activations
+    macs: int = 0
+    sensitivity: dict[str, float] = field(default_factory=dict)  # only / all_but / gain (metric units)
+
+
+@dataclass
+class Plan:
+    method: str                # calibration method the ranges come from
+    groups: dict[str, GroupPlan]
+    budget: float              # allowed exact-match loss vs float (share, 0.005 = 0.5 point)
+    met_budget: bool = True
+    measured: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+    def int8_groups(self) -> list[str]:
+        return [g for g, p in self.groups.items() if p.precision == "int8"]
+
+    def int8_mac_share(self) -> float:
+        total = sum(p.macs for p in self.groups.values())
+        return sum(p.macs for p in self.groups.values() if p.precision == "int8") / total if total else 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, **asdict(self)}, indent=2, sort_keys=False) + "\n"
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(self.to_json(), encoding="utf-8")
+
+
+def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[str]) -> Plan:
+    """Read a plan file and check it against the groups of the graph it will be applied to."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"quantize.plan: no such file {path}")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PipelineError(f"quantize.plan: {path} is not a JSON plan ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise PipelineError(f"quantize.plan: {path} is not a plan (format must be {FORMAT!r})")
+    if raw.get("method") not in known_methods:
+        raise PipelineError(f"quantize.plan: method {raw.get('method')!r} unknown; known: {', '.join(known_methods)}")
+    groups = raw.get("groups")
+    if not isinstance(groups, dict) or not groups:
+        raise PipelineError(f"quantize.plan: {path} has no 'groups' object")
+    unknown = sorted(set(groups) - set(known_groups))
+    if unknown:
+        raise PipelineError(f"quantize.plan: {len(unknown)} group(s) not in this model's graph: "
+                            f"{', '.join(unknown[:5])}; known groups are listed in the generated plan.json")
+    parsed = {}
+    for name, g in groups.items():
+        if not isinstance(g, dict) or g.get("precision") not in PRECISIONS:
+            raise PipelineError(f"quantize.plan: group {name!r}: precision must be one of {PRECISIONS}")
+        try:
+            parsed[name] = GroupPlan(precision=g["precision"], node=str(g["node"]), kind=str(g.get("kind", "")),
+                                     macs=int(g.get("macs", 0)), sensitivity=dict(g.get("sensitivity", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PipelineError(f"quantize.plan: group {name!r}: bad field ({exc})") from None
+    try:
+        budget = float(raw.get("budget", 0.005))
+    except (TypeError, ValueError):
+        raise PipelineError("quantize.plan: 'budget' must be a number") from None
+    return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
+                measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")))

@@ -1,0 +1,97 @@
+"""QDQ graphs from ONNX Runtime's own quantizer, with ranges calibrated once per method.
+
+Calibration runs ORT's calibrator (``calibration.calibrators.compute_ranges``) once per method and
+stores the ranges with ORT's ``save_tensors_data``; every QDQ variant after that (one per
+sensitivity probe, one per plan step) is ``quantize_static`` reading that cache, so trying a plan
+costs a graph rewrite, not a calibration pass.
+
+The scheme is the one TensorRT and MacaRT consume: symmetric INT8 (zero point 0) for weights and
+activations, weights per output channel, activations per tensor, explicit QuantizeLinear /
+DequantizeLinear pairs.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+
+from calibration.calibrators import compute_ranges, method as calibration_method
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+OP_TYPES = ("MatMul", "Gemm")
+
+
+def calibrate(float_model: Path, reader, method_name: str, cache: Path,
+              extra_options: dict | None = None) -> float:
+    """Ranges of every MatMul/Gemm tensor of ``float_model`` over ``reader``, saved to ``cache``;
+    returns the seconds it took."""
+    from onnxruntime.quantization.calibrate import save_tensors_data
+
+    started = time.perf_counter()
+    with _quiet():
+        ranges = compute_ranges(float_model, reader, method_name, op_types=OP_TYPES, extra_options=extra_options)
+    save_tensors_data(ranges, cache)
+    return time.perf_counter() - started
+
+
+def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_nodes: Sequence[str]) -> bool:
+    """Write the QDQ graph of ``float_model`` with ``int8_nodes`` in INT8 to ``out``; the rest stays
+    float. Returns False (and copies the float graph) when no node is INT8."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    if not int8_nodes:  # ORT reads an empty node list as "every node"
+        onnx.save(onnx.load(str(float_model)), str(out))
+        return False
+    with _quiet():
+        quantize_static(
+            str(float_model), str(out), None, quant_format=QuantFormat.QDQ,
+            op_types_to_quantize=list(OP_TYPES), nodes_to_quantize=list(int8_nodes),
+            per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            calibrate_method=calibration_method(method_name).ort_method, calibration_cache_path=str(cache),
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                           # a projection's output feeds a residual Add or GELU in float: quantizing it
+                           # (ORT's default for Gemm) costs 20 dB of SNR and no speed
+                           "OpTypesToExcludeOutputQuantization": list(OP_TYPES)},
+        )
+    if not out.is_file():
+        raise PipelineError(f"onnxruntime's quantize_static wrote no graph for {float_model.name}")
+    return True
+
+
+def dynamic(float_model: Path, out: Path) -> None:
+    """The ``quantize_dynamic`` anchor: INT8 weights, activations quantized at run time."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet():
+        quantize_dynamic(str(float_model), str(out), weight_type=QuantType.QInt8, op_types_to_quantize=list(OP_TYPES))
+
+
+def static_defaults(float_model: Path, out: Path, reader) -> None:
+    """The ``quantize_static`` anchor with ORT's defaults (QDQ, U8 activations, MinMax, per tensor)."""
+    from onnxruntime.quantization import quantize_static
+
+    with _quiet():
+        quantize_static(str(float_model), str(out), reader)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ORT's quantizer logs advice at WARNING on the root logger and its calibrators print progress
+    to stdout, once per call; a stage makes dozens of calls, so keep only errors."""
+    logger = logging.getLogger()
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+

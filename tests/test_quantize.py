@@ -1,0 +1,210 @@
+"""Stage quantize on the tiny model (real graphs, real ORT quantizer), its building blocks, the plan
+round trip, and its bad inputs through the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import run_cli
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+from pipeline.errors import PipelineError
+
+SMALL = ["quantize.calib_images=8", "quantize.search_images=8", "quantize.sensitivity_images=2",
+         "quantize.eval_limit=4", "quantize.latency_images=1", "quantize.anchors=false",
+         "quantize.methods=[minmax,percentile]", "model.max_length=8", "model.batch_size=4"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """An artifacts root with the tiny model saved as a folder and a calibration set of its inputs."""
+    import datasets
+
+    from pipeline.data.render import render_formula
+
+    root = tmp_path_factory.mktemp("quantize")
+    adapter = build_tiny()
+    adapter.save(root / "tiny-model")
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
+    datasets.Dataset.from_dict({"pixel_values": images, "text": FORMULAS}).save_to_disk(
+        str(root / "calibrate" / "calib_set"))
+    return root
+
+
+def _run(root: Path, *overrides: str) -> dict:
+    from pipeline.stages import quantize
+
+    ctx = fake_ctx(root, [f"quantize.model={root / 'tiny-model'}", *SMALL, *overrides])
+    return quantize.run(OmegaConf.to_object(ctx.cfg.quantize), ctx)
+
+
+@pytest.fixture(scope="module")
+def searched(root) -> Path:
+    _run(root)
+    return root / "quantize"
+
+
+def _dq_inputs(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    producer = {o: n for n in model.graph.node for o in n.output}
+    return {n.name: [producer[i] for i in n.input if i in producer and producer[i].op_type == "DequantizeLinear"]
+            for n in model.graph.node}
+
+
+def test_stage_writes_plan_report_and_runnable_qdq_encoders(searched):
+    for name in ("plan.json", "report.md", "sensitivity.png", "sensitivity_heatmap.png", "quantize.json",
+                 "encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx", "manifest.json"):
+        assert (searched / name).is_file(), name
+    assert not (searched / ".work").exists()
+    metrics = json.loads((searched / "quantize.json").read_text())
+    assert [m["method"] for m in metrics["methods"]] == ["minmax", "percentile"]
+    assert len(metrics["sensitivity"]) == metrics["groups"] > 0
+    # every group appears once in the ranking, with both views
+    assert {r["group"] for r in metrics["sensitivity"]} == set(json.loads((searched / "plan.json").read_text())["groups"])
+    x = np.random.default_rng(0).random((2, 1, 32, 64)).astype(np.float32)
+    for name in ("encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
+        model = onnx.load(str(searched / name))
+        onnx.checker.check_model(model)
+        out = ort.InferenceSession(str(searched / name), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+        assert out.shape[0] == 2 and np.isfinite(out).all()
+    report = (searched / "report.md").read_text()
+    assert "## Sensitivity" in report and "## Calibration methods" in report and "sensitivity.png" in report
+
+
+def test_qdq_is_symmetric_int8_per_channel_and_passes_the_metax_rules(searched):
+    from pipeline.export.targets import resolve_target
+    from pipeline.export.validator import validate
+    from conftest import compose_cfg
+
+    model = onnx.load(str(searched / "encoder.qdq.onnx"))
+    rules = resolve_target(compose_cfg(["target=metax"]).target).rules
+    assert validate(model, rules, "encoder") == []
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    weight_dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+                 and inits[n.input[0]].dtype == np.int8]
+    assert weight_dq
+    for n in weight_dq:
+        assert inits[n.input[1]].size > 1  # one scale per output channel
+        assert not inits[n.input[2]].any()  # zero point 0
+
+
+def test_a_group_marked_float_has_no_qdq_on_its_weights(root, searched, tmp_path):
+    plan = json.loads((searched / "plan.json").read_text())
+    names = list(plan["groups"])
+    for g in plan["groups"].values():
+        g["precision"] = "int8"
+    floated = next(n for n in names if plan["groups"][n]["kind"] == "weights")
+    plan["groups"][floated]["precision"] = "float"
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(plan))
+    _run(root, f"quantize.plan={path}", "quantize.name=quantize-edited")
+    out = root / "quantize-edited"
+    applied = json.loads((out / "plan.json").read_text())
+    assert applied["groups"][floated]["precision"] == "float"
+    assert sum(g["precision"] == "int8" for g in applied["groups"].values()) == len(names) - 1
+    dq = _dq_inputs(onnx.load(str(out / "encoder.qdq.onnx")))
+    assert dq[plan["groups"][floated]["node"]] == []
+    for n in names:
+        if n != floated:
+            assert dq[plan["groups"][n]["node"]], n
+
+
+def test_plan_round_trip_and_validation(tmp_path):
+    from pipeline.quantization.plan import GroupPlan, Plan, load
+
+    plan = Plan(method="minmax", budget=0.005, groups={
+        "blocks.0.attn.qkv_proj": GroupPlan("int8", "MatMul_0", "weights", 100, {"only": 40.0}),
+        "blocks.0.attn.context": GroupPlan("float", "/blocks.0/attn/MatMul_1", "activations", 50)})
+    plan.save(tmp_path / "p.json")
+    again = load(tmp_path / "p.json", list(plan.groups), ["minmax"])
+    assert again == plan and again.int8_groups() == ["blocks.0.attn.qkv_proj"]
+    assert again.int8_mac_share() == pytest.approx(100 / 150)
+    with pytest.raises(PipelineError, match="not in this model's graph: blocks.0.attn.qkv_proj"):
+        load(tmp_path / "p.json", ["blocks.0.attn.context"], ["minmax"])
+    raw = json.loads((tmp_path / "p.json").read_text())
+    raw["groups"]["blocks.0.attn.context"]["precision"] = "int4"
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(PipelineError, match="precision must be one of"):
+        load(tmp_path / "bad.json", list(plan.groups), ["minmax"])
+    (tmp_path / "junk.json").write_bytes(b"\xff\xfe not json")
+    with pytest.raises(PipelineError, match="not a JSON plan"):
+        load(tmp_path / "junk.json", list(plan.groups), ["minmax"])
+
+
+def test_attention_fusion_keeps_the_encoder_output(tmp_path):
+    from pipeline.export import onnx_graphs as og
+    from pipeline.quantization.fusion import fuse_attention
+    from pipeline.quantization.groups import find_groups
+
+    adapter = build_tiny()
+    encoder = og.simplify(og.export_graphs(adapter, 17)["encoder"], "encoder")
+    fused = onnx.ModelProto.FromString(encoder.SerializeToString())
+    assert fuse_attention(fused) == 2  # two encoder layers
+    assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
+    assert not any(n.op_type == "Softmax" for n in fused.graph.node)
+    x = np.random.default_rng(1).random((2, 1, 32, 64)).astype(np.float32)
+    ref = ort.InferenceSession(encoder.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+    got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    # groups: per layer q/k/v merged by onnxsim, out_proj, two MLP projections, and the two attention products
+    groups = find_groups(encoder, tokens=32, hidden=32)
+    roles = {g.role for g in groups}
+    assert {"attn.qkv_proj", "attn.out_proj", "attn.scores", "attn.context"} <= roles
+    assert {g.kind for g in groups if g.role in ("attn.scores", "attn.context")} == {"activations"}
+    assert len({g.name for g in groups}) == len(groups)
+
+
+def test_sensitivity_ranks_the_ruinous_group_first():
+    from calibration.sensitivity import SNR, measure, ranking
+
+    ref = np.ones((2, 4))
+
+    def run_with(int8):  # "bad" alone ruins the output; "mild" costs a little
+        out = ref.copy()
+        if "bad" in int8:
+            out = out * 0.1
+        if "mild" in int8:
+            out = out + 0.01
+        return out
+
+    everything, rows = measure(["mild", "bad", "clean"], run_with, ref, SNR(), progress=False)
+    assert [r.group for r in ranking(rows)] == ["bad", "mild", "clean"]
+    assert rows[2].only == float("inf") and everything < rows[0].only
+
+
+def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
+    proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["error: quantize.calibration=calibrate: no calibration set there; run stage=calibrate first"]
+    assert not (tmp_path / "quantize").exists() and not list(tmp_path.glob(".tmp-quantize-*"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("quantize.budget=-0.1", "quantize.budget must be in [0, 1)"),
+    ("quantize.budget=1.5", "quantize.budget must be in [0, 1)"),
+    ("quantize.methods=[minmax,histogram]", "quantize.methods: unknown ['histogram']"),
+    ("quantize.calib_images=0", "quantize.calib_images must be >= 1"),
+])
+def test_impossible_settings_are_one_error_line(tmp_path, override, message):
+    proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {message}" + proc.stderr.strip().split(message, 1)[1]]
+    assert not (tmp_path / "quantize").exists()
+
+
+def test_plan_naming_unknown_nodes_is_one_error_line_and_no_artifact(root, tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({"format": "formula-compress quantize plan v1", "method": "minmax",
+                               "groups": {"encoder_blocks.9.attn.qkv_proj": {"precision": "int8", "node": "X"}}}))
+    proc = run_cli("stage=quantize", f"artifacts.dir={root}", "progress=false", f"quantize.model={root / 'tiny-model'}",
+                   *SMALL, f"quantize.plan={bad}", "quantize.name=quantize-bad-plan")
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: quantize.plan: 1 group(s) not in this model's graph: "
+                                                   "encoder_blocks.9.attn.qkv_proj")
+    assert not (root / "quantize-bad-plan").exists() and not list(root.glob(".tmp-quantize-bad-plan-*"))
