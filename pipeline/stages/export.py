@@ -38,7 +38,10 @@ TOLERANCES = {
 
 @dataclass
 class ExportConfig:
-    model: str = "original"              # original | a stage with a model (prune, ...) | a model folder
+    model: str = "auto"                  # auto = the model the chain hands over (quantize's, else prune's, else
+                                         # the original) | original | a stage with a model | a model folder
+    quantized: str = "auto"              # auto = stage quantize's INT8 encoder when its artifact exists for this
+                                         # model | none (a float package) | a quantize artifact folder
     name: Optional[str] = None           # package folder under artifacts; default export-<target>
     qdq_encoder: Optional[str] = None    # a QDQ encoder ONNX (images -> memory) used instead of the float one
     simplify: bool = True                # onnxsim on the float graphs
@@ -72,6 +75,33 @@ def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[st
     return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 
+# the QDQ encoder stage quantize writes for each target (plain ops for TensorRT / Metax, ORT fusions for ort_cpu)
+QUANTIZED_ENCODERS = {"ort_cpu": "encoder.ort_cpu.qdq.onnx", "tensorrt": "encoder.qdq.onnx", "metax": "encoder.qdq.onnx"}
+
+
+def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], str]:
+    """(model reference, QDQ encoder or None, what was handed over): prune -> quantize -> export."""
+    if cfg.qdq_encoder:
+        return ctx.chain_model(cfg.model, ("prune",)), Path(cfg.qdq_encoder), ""
+    if cfg.quantized == "none":
+        return ctx.chain_model(cfg.model, ("prune",)), None, ""
+    folder = ctx.artifacts_dir / "quantize" if cfg.quantized == "auto" else Path(cfg.quantized)
+    if not (folder / "manifest.json").is_file():
+        if cfg.quantized != "auto":
+            raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
+        model = ctx.chain_model(cfg.model, ("prune",))
+        return model, None, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    quantized_model = manifest["config"]["model_ref"]
+    model = quantized_model if cfg.model == "auto" else cfg.model
+    if ctx.model_hash(model) != manifest["inputs"]["model"]:
+        if cfg.quantized == "auto":
+            return model, None, f"quantize's artifact was made from another model ({quantized_model}): float package"
+        raise PipelineError(f"export.quantized={cfg.quantized} was made from model {quantized_model!r}, "
+                            f"not export.model={model!r}")
+    return model, folder / QUANTIZED_ENCODERS[target], f"took {model}'s INT8 encoder from {folder}"
+
+
 def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
     items = []
     for fid, latex in tqdm(pairs, desc=desc, disable=not progress):
@@ -93,15 +123,18 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     name = cfg.name or f"export-{target.name}"
-    qdq_path = Path(cfg.qdq_encoder) if cfg.qdq_encoder else None
-    adapter = ctx.load_model(cfg.model)
+    model_ref, qdq_path, handed = _chain(cfg, ctx, target.name)
+    if handed:
+        print(f"[export] {handed}", flush=True)
+    adapter = ctx.load_model(model_ref)
     calib, evals, inputs = _formulas(cfg, ctx)
-    inputs["model"] = ctx.model_hash(cfg.model)
+    inputs["model"] = ctx.model_hash(model_ref)
     if qdq_path is not None:
         if not qdq_path.is_file():
             raise PipelineError(f"export.qdq_encoder: no such file {qdq_path}")
         inputs["qdq_encoder"] = file_hash(qdq_path)
-    config = {**asdict(cfg), "target": ctx.section("target"), "max_length": max_length, "batch_size": batch_size}
+    config = {**asdict(cfg), "target": ctx.section("target"), "max_length": max_length, "batch_size": batch_size,
+              "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
         if out.reused:
             print(f"[export] unchanged, reused {out.path}")
