@@ -208,3 +208,36 @@ def test_plan_naming_unknown_nodes_is_one_error_line_and_no_artifact(root, tmp_p
     assert len(lines) == 1 and lines[0].startswith("error: quantize.plan: 1 group(s) not in this model's graph: "
                                                    "encoder_blocks.9.attn.qkv_proj")
     assert not (root / "quantize-bad-plan").exists() and not list(root.glob(".tmp-quantize-bad-plan-*"))
+
+
+def _export(root: Path, *overrides: str) -> dict:
+    from pipeline.stages import export
+
+    (root / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    ctx = fake_ctx(root, [f"export.formulas={root / 'formulas.txt'}", "model.max_length=8", "export.parity_images=1",
+                          "export.parity_limit=2", "export.min_cosine=0", "export.min_snr_db=-100",
+                          "export.min_identical=0", *overrides])
+    return export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+
+
+def test_export_takes_quantize_model_and_int8_encoder_per_target(root, searched):
+    manifests = _export(root, "export.targets=[ort_cpu,metax]")
+    assert set(manifests) == {"ort_cpu", "metax"}
+    qmanifest = json.loads((searched / "manifest.json").read_text())
+    for target, encoder in (("ort_cpu", "encoder.ort_cpu.qdq.onnx"), ("metax", "encoder.qdq.onnx")):
+        pkg = root / f"export-{target}"
+        meta = json.loads((pkg / "package.json").read_text())
+        assert meta["precision"]["encoder"].startswith("int8 qdq"), target
+        manifest = json.loads((pkg / "manifest.json").read_text())
+        assert manifest["config"]["model_ref"] == str(root / "tiny-model")  # the model quantize used
+        assert manifest["inputs"]["model"] == qmanifest["inputs"]["model"]
+        assert manifest["inputs"]["qdq_encoder"] == qmanifest["outputs"][encoder]
+    # the float package on request, from the same model
+    _export(root, "export.quantized=none", "export.name=float-pkg", "export.model=" + str(root / "tiny-model"))
+    assert json.loads((root / "float-pkg" / "package.json").read_text())["precision"]["encoder"] == "fp32"
+
+
+def test_export_quantized_from_a_missing_folder_is_an_error(root):
+    with pytest.raises(PipelineError, match="export.quantized=.*no quantize artifact there"):
+        _export(root, f"export.quantized={root / 'nowhere'}", "export.name=never")
+    assert not (root / "never").exists()

@@ -47,3 +47,17 @@ def resolve_target(tcfg: Any) -> Target:
     )
     options = dict(tcfg.provider_options or {})
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules)
+
+
+def target_config(name: str):
+    """The target group option ``conf/target/<name>.yaml`` on the typed schema, as Hydra composes it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from pipeline.config import TargetConfig
+
+    if name not in KNOWN:
+        raise PipelineError(f"unknown export target {name!r}; known: {', '.join(KNOWN)}")
+    path = Path(__file__).resolve().parents[2] / "conf" / "target" / f"{name}.yaml"
+    return OmegaConf.merge(OmegaConf.structured(TargetConfig), OmegaConf.load(path))

@@ -8,11 +8,12 @@ report, and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt`` impo
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline.context import StageContext, file_hash
@@ -23,7 +24,7 @@ from pipeline.export.package import build_graphs, write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
-from pipeline.export.targets import resolve_target
+from pipeline.export.targets import KNOWN, resolve_target, target_config
 
 NAME = "export"
 CONFIG_KEY = "export"
@@ -54,6 +55,8 @@ class ExportConfig:
     trt_max_batch: int = 16              # TensorRT profile: batch 1 .. trt_max_batch
     trt_opt_length: int = 48             # TensorRT profile: optimal decoded length
     trt_build: bool = True               # build engines where tensorrt imports
+    targets: list[str] = field(default_factory=list)  # several packages in one run (stage=all: every target);
+                                         # empty = the `target` group
 
 
 Config = ExportConfig
@@ -115,7 +118,21 @@ def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
 
 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
-    target = resolve_target(ctx.cfg.target)
+    """One package for the ``target`` group, or one per name in ``export.targets``."""
+    if not cfg.targets:
+        return _run_one(cfg, ctx, ctx.cfg.target)
+    unknown = [t for t in cfg.targets if t not in KNOWN]
+    if unknown:
+        raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
+    manifests = {}
+    for name in cfg.targets:
+        one = replace(cfg, targets=[], name=f"{cfg.name}-{name}" if cfg.name else None)
+        manifests[name] = _run_one(one, ctx, target_config(name))
+    return manifests
+
+
+def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
+    target = resolve_target(tcfg)
     if cfg.parity_images < 1:
         raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
     if cfg.parity_limit is not None and cfg.parity_limit < 1:
@@ -133,7 +150,7 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
         if not qdq_path.is_file():
             raise PipelineError(f"export.qdq_encoder: no such file {qdq_path}")
         inputs["qdq_encoder"] = file_hash(qdq_path)
-    config = {**asdict(cfg), "target": ctx.section("target"), "max_length": max_length, "batch_size": batch_size,
+    config = {**asdict(cfg), "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
               "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
         if out.reused:

@@ -143,7 +143,6 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
                                        threads=int(mcfg.threads or 0))
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
-    weight_groups = [g.name for g in groups if g.kind == "weights"]
     given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
 
     rows = calib_set.with_format("numpy", columns=["pixel_values"])
@@ -162,13 +161,22 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         qdq.quantize(model, out, cache, method, [by_name[n].node for n in names])
         return out
 
-    # 1. calibration methods side by side (weight groups INT8: the point every plan starts near)
-    method_rows, caches = [], {}
+    # 1. calibration methods side by side, on the ort_cpu graph with every weight group INT8: the same
+    # groups as in the plain graph, but the fused attention leaves ORT's histogram calibrators
+    # 16 tensors to watch instead of 32 (the 1024 x 1024 attention maps among them)
+    ort_groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort)))}
+    ort_caches: dict[str, Path] = {}
+    method_rows = []
+
+    def calibrate_ort(method: str) -> float:
+        ort_caches[method] = scratch / f"ranges.ort_cpu.{method}.json"
+        return qdq.calibrate(graphs.encoder_ort, reader(cfg.calib_images), method, ort_caches[method])
+
     for method in tqdm([] if given else cfg.methods, desc="calibration methods", disable=not ctx.progress):
-        cache = scratch / f"ranges.{method}.json"
-        seconds = qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), method, cache)
-        caches[method] = cache
-        variant = build(graphs.encoder_std, cache, method, weight_groups, scratch / f"enc.{method}.onnx")
+        seconds = calibrate_ort(method)
+        variant = scratch / f"enc.{method}.onnx"
+        qdq.quantize(graphs.encoder_ort, variant, ort_caches[method], method,
+                     [g.node for g in ort_groups.values() if g.kind == "weights"])
         r = read(package, variant, search_images, search_truths, max_length, batch)
         method_rows.append({"method": method, "exact_match": r.exact_match, "cer": r.cer,
                             "snr_db": sensitivity.SNR().score(ref_memory, encoder_outputs(package, variant, sens_images)),
@@ -178,10 +186,10 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     else:
         chosen = cfg.method if cfg.method != "auto" else max(
             method_rows, key=lambda m: (round(m["exact_match"], 6), m["snr_db"]))["method"]
-    if chosen not in caches:
-        caches[chosen] = scratch / f"ranges.{chosen}.json"
-        qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), chosen, caches[chosen])
-    cache = caches[chosen]
+    if chosen not in ort_caches:
+        calibrate_ort(chosen)
+    cache = scratch / f"ranges.{chosen}.json"  # the plain graph's ranges, attention products included
+    qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), chosen, cache)
 
     def memory_with(names) -> np.ndarray:
         return encoder_outputs(package, build(graphs.encoder_std, cache, chosen, names, scratch / "probe.onnx"), sens_images)
@@ -241,10 +249,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     # 4. the deliverables: both QDQ encoders from the plan
     int8 = plan.int8_groups()
     final_std = build(graphs.encoder_std, cache, chosen, int8, folder / QDQ_ENCODER)
-    ort_cache = scratch / f"ranges.ort_cpu.{chosen}.json"
-    qdq.calibrate(graphs.encoder_ort, reader(cfg.calib_images), chosen, ort_cache)
-    ort_groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort)))}
-    qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_cache, chosen,
+    qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_caches[chosen], chosen,
                  [ort_groups[n].node for n in int8 if n in ort_groups])
     final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
     ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
