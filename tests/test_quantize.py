@@ -241,3 +241,29 @@ def test_export_quantized_from_a_missing_folder_is_an_error(root):
     with pytest.raises(PipelineError, match="export.quantized=.*no quantize artifact there"):
         _export(root, f"export.quantized={root / 'nowhere'}", "export.name=never")
     assert not (root / "never").exists()
+
+
+def test_cached_attention_fusion_keeps_the_decoder_step_outputs():
+    from pipeline.export import onnx_graphs as og
+    from pipeline.export.package import decoder_shapes
+    from pipeline.quantization.fusion import fuse_cached_attention
+
+    adapter = build_tiny()
+    shapes = decoder_shapes(adapter)
+    step = og.simplify(og.export_graphs(adapter, 17)["decoder_step"], "decoder_step")
+    fused = onnx.ModelProto.FromString(step.SerializeToString())
+    assert fuse_cached_attention(fused) == 2  # one decoder layer: self (over the cache) + cross
+    assert not any(n.op_type in ("Softmax", "Concat") for n in fused.graph.node)
+    rng = np.random.default_rng(2)
+    h, d, n = shapes["num_heads"], shapes["head_dim"], shapes["memory_length"]
+    feed = {"input_ids": np.array([[5], [7]], dtype=np.int64)}
+    for i in step.graph.input:
+        if i.name.startswith("past"):
+            feed[i.name] = rng.standard_normal((2, h, 3, d)).astype(np.float32)
+        elif i.name.startswith("cross"):
+            feed[i.name] = rng.standard_normal((2, h, n, d)).astype(np.float32)
+    ref = ort.InferenceSession(step.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    assert [o.name for o in fused.graph.output] == [o.name for o in step.graph.output]
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(b, a, atol=1e-5)

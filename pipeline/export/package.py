@@ -16,7 +16,7 @@ from pipeline.export import onnx_graphs as og
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
-from pipeline.quantization.fusion import fuse_attention
+from pipeline.quantization.fusion import fuse_attention, fuse_cached_attention
 
 
 @dataclass
@@ -67,6 +67,8 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
                 m = og.fuse_transformer(m, heads[0] if len(heads) == 1 else 0, hidden, Path(tmp), g)
                 if g == "encoder":  # what the transformer optimizer leaves: the unmasked ViT attention
                     fuse_attention(m)
+                elif g == "decoder_step":  # and the step's attention over its K/V caches
+                    fuse_cached_attention(m)
                 hist[g]["fused"] = og.op_histogram(m)
             if target.fp16_weights:
                 m = og.to_fp16(m)

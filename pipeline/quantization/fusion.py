@@ -136,3 +136,104 @@ def remove_dead_nodes(model: onnx.ModelProto) -> None:
     inits = [t for t in g.initializer if t.name in needed]
     del g.initializer[:]
     g.initializer.extend(inits)
+
+
+def _source(g: _Graph, name: str) -> tuple[str, list[int]]:
+    """The tensor before a chain of Transposes (a graph input or another node's output) and the
+    composed perm of the chain ([] when there is none)."""
+    perm: Optional[list[int]] = None
+    node = g.producer.get(name)
+    while node is not None and node.op_type == "Transpose":
+        p = _perm(node)
+        perm = p if perm is None else [p[i] for i in perm]
+        name = node.input[0]
+        node = g.producer.get(name)
+    return name, perm or []
+
+
+def _split_heads(g: _Graph, name: str) -> Optional[tuple[str, int]]:
+    """``name`` = Transpose(0,2,1,3)(Reshape(x3d, [B, N, H, d])) -> (x3d, H)."""
+    src, perm = _source(g, name)
+    reshape = g.producer.get(src)
+    if perm != [0, 2, 1, 3] or reshape is None or reshape.op_type != "Reshape":
+        return None
+    heads = _heads(g, reshape)
+    return (reshape.output[0], heads) if heads else None
+
+
+def fuse_cached_attention(model: onnx.ModelProto) -> int:
+    """The decoder step's attention blocks -> ``MultiHeadAttention`` in place; returns how many.
+
+    Self-attention: ``present = Concat(past, new K/V)`` and the score/context products become one
+    node with ``past_key``/``past_value`` inputs and ``present_key``/``present_value`` outputs.
+    Cross-attention: the cached K/V ([B, H, N, d], computed once by the first step) go in as they
+    are, so the step no longer transposes the whole cross key (1024 x 256 per layer) every token.
+    """
+    g = _Graph(model)
+    outputs = {o.name for o in model.graph.output}
+    flat = "CachedMultiHeadAttention/merge_heads_shape"
+    replace: dict[int, list[onnx.NodeProto]] = {}   # id(node to replace) -> the nodes taking its place
+    drop: set[int] = set()
+    for sm in [n for n in model.graph.node if n.op_type == "Softmax"]:
+        scale_node = g.producer.get(sm.input[0])
+        if scale_node is None or scale_node.op_type != "Mul":
+            continue
+        s = g.const(scale_node.input[1])
+        qk = g.producer.get(scale_node.input[0])
+        av = g.only_consumer(sm.output[0])
+        if s is None or s.size != 1 or qk is None or qk.op_type != "MatMul" or av is None or av.op_type != "MatMul":
+            continue
+        q = _split_heads(g, qk.input[0])
+        key, kperm = _source(g, qk.input[1])
+        value, vperm = _source(g, av.input[1])
+        out_t = g.only_consumer(av.output[0])
+        if q is None or kperm != [0, 1, 3, 2] or vperm or out_t is None or out_t.op_type != "Transpose" \
+                or _perm(out_t) != [0, 2, 1, 3]:
+            continue
+        heads = q[1]
+        name = (sm.name.rsplit("/", 1)[0] if "/" in sm.name else "") + f"/CachedMultiHeadAttention_{len(replace)}"
+        out = f"{name}_output_0"
+        merged: list[onnx.NodeProto] = []
+
+        def merge_heads(bsnh: str, tag: str) -> str:
+            """[B, S, H, d] -> [B, S, H·d]: the layout MultiHeadAttention reads (a projection run as
+            a 2-D Gemm left no 3-D tensor to take)."""
+            merged.append(helper.make_node("Reshape", [bsnh, flat], [f"{name}/{tag}_3d"], name=f"{name}/{tag}_merge"))
+            return merged[-1].output[0]
+
+        q3d = merge_heads(q[0], "q")
+        kcat, vcat = g.producer.get(key), g.producer.get(value)
+        if kcat is not None and kcat.op_type == "Concat" and vcat is not None and vcat.op_type == "Concat":
+            # self-attention over the cache: Concat(past, new) on the sequence axis
+            if len(kcat.input) != 2 or len(vcat.input) != 2 or key not in outputs or value not in outputs:
+                continue
+            new_k, new_v = _split_heads(g, kcat.input[1]), _split_heads(g, vcat.input[1])
+            if new_k is None or new_v is None:
+                continue
+            mha = helper.make_node("MultiHeadAttention",
+                                   [q3d, merge_heads(new_k[0], "k"), merge_heads(new_v[0], "v"), "", "", "",
+                                    kcat.input[0], vcat.input[0]],
+                                   [out, key, value], name=name, domain="com.microsoft", num_heads=heads,
+                                   scale=float(s.reshape(-1)[0]))
+            drop.update({id(kcat), id(vcat)})
+        elif kcat is None and vcat is None:
+            # cross-attention on the cached encoder K/V (graph inputs, [B, H, N, d])
+            mha = helper.make_node("MultiHeadAttention", [q3d, key, value], [out], name=name, domain="com.microsoft",
+                                   num_heads=heads, scale=float(s.reshape(-1)[0]))
+        else:
+            continue
+        for user in g.consumers.get(out_t.output[0], []):
+            for k, i in enumerate(user.input):
+                if i == out_t.output[0]:
+                    user.input[k] = out
+        replace[id(out_t)] = [*merged, mha]
+    if not replace:
+        return 0
+    model.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], dtype=np.int64), flat))
+    nodes = [m for n in model.graph.node if id(n) not in drop for m in replace.get(id(n), [n])]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    remove_dead_nodes(model)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return len(replace)
