@@ -267,3 +267,19 @@ def test_cached_attention_fusion_keeps_the_decoder_step_outputs():
     assert [o.name for o in fused.graph.output] == [o.name for o in step.graph.output]
     for a, b in zip(ref, got):
         np.testing.assert_allclose(b, a, atol=1e-5)
+
+
+def test_ort_cpu_int8_decoders_are_handed_to_the_ort_cpu_package_only(root, searched):
+    plan = json.loads((searched / "plan.json").read_text())
+    assert plan["decoder"] in ("int8", "float")
+    if plan["decoder"] == "float":  # the tiny random model reads nothing: the budget decides nothing
+        pytest.skip("the budget kept the decoder float")
+    for g in ("decoder_first", "decoder_step"):
+        model = onnx.load(str(searched / f"{g}.ort_cpu.int8.onnx"))
+        assert any(n.op_type in ("DynamicQuantizeMatMul", "MatMulInteger", "DynamicQuantizeLinear")
+                   for n in model.graph.node), g
+    _export(root, "export.targets=[ort_cpu,tensorrt]", "export.name=dec")
+    ort_meta = json.loads((root / "dec-ort_cpu" / "package.json").read_text())
+    assert ort_meta["precision"]["decoder_step"] == "int8 dynamic"
+    trt_meta = json.loads((root / "dec-tensorrt" / "package.json").read_text())
+    assert trt_meta["precision"]["decoder_step"] == "fp32"

@@ -43,7 +43,10 @@ def exported_graphs(adapter, opset: int, model_key: Optional[str]) -> dict[str, 
 
 
 def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress,
-                 model_key: Optional[str] = None) -> BuiltGraphs:
+                 model_key: Optional[str] = None, int8_decoders: Optional[dict[str, Path]] = None) -> BuiltGraphs:
+    """The target's three graphs. ``qdq_encoder``: a QDQ encoder used instead of the float one;
+    ``int8_decoders``: decoder graphs stage quantize already made final for this target (ORT's
+    dynamic INT8 on ort_cpu), used as they are."""
     raw = exported_graphs(adapter, target.opset, model_key)
     progress("exported")
     hist: dict[str, dict[str, dict[str, int]]] = {g: {"exported": og.op_histogram(m)} for g, m in raw.items()}
@@ -52,12 +55,24 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
         raw["encoder"] = load_qdq_encoder(qdq_encoder, raw["encoder"])
         hist["encoder"] = {"qdq input": og.op_histogram(raw["encoder"])}
         precision["encoder"] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
+    final = set()
+    for g, path in (int8_decoders or {}).items():
+        raw[g] = load_final_graph(path, raw[g], g)
+        hist[g] = {"int8 input": og.op_histogram(raw[g])}
+        precision[g] = "int8 dynamic"
+        final.add(g)
     shapes = decoder_shapes(adapter)
     heads = sorted(set(adapter.encoder_head_counts()) | {shapes["num_heads"]})
     hidden = shapes["hidden_size"]  # 0 heads / hidden: the optimizer reads them from the graph
     out = {}
     with tempfile.TemporaryDirectory(prefix="fuse-") as tmp:
         for g, m in raw.items():
+            if g in final:
+                og.clamp_ir_version(m, target.rules.max_ir_version)
+                og.check(m, g)
+                out[g] = m
+                progress(g)
+                continue
             qdq = og.has_qdq(m)
             # onnxsim and ORT's fusions would constant-fold DequantizeLinear(weights) back to float
             if simplify and not qdq:
@@ -97,6 +112,22 @@ def load_qdq_encoder(path: Path, exported: onnx.ModelProto) -> onnx.ModelProto:
     if got_in != want_in or got_out != want_out:
         raise PipelineError(f"export.qdq_encoder: {path} has inputs {got_in} / outputs {got_out}; "
                             f"the encoder needs {want_in} -> {want_out}")
+    return m
+
+
+def load_final_graph(path: Path, exported: onnx.ModelProto, graph: str) -> onnx.ModelProto:
+    """A graph made elsewhere for this model (stage quantize), checked to have the exported I/O."""
+    if not Path(path).is_file():
+        raise PipelineError(f"{graph}: no such graph {path}")
+    try:
+        m = onnx.load(str(path))
+    except Exception as exc:  # protobuf DecodeError and friends
+        raise PipelineError(f"{graph}: {path} is not an ONNX model ({type(exc).__name__})") from None
+    inits = {t.name for t in m.graph.initializer}
+    want = ([i.name for i in exported.graph.input], [o.name for o in exported.graph.output])
+    got = ([i.name for i in m.graph.input if i.name not in inits], [o.name for o in m.graph.output])
+    if got != want:
+        raise PipelineError(f"{graph}: {path} has inputs/outputs {got}; the model's {graph} needs {want}")
     return m
 
 

@@ -24,8 +24,12 @@ class FloatGraphs:
     memory_length: int
     hidden_size: int
 
-    def open_package(self, threads: int = 0) -> OnnxPackage:
-        return OnnxPackage(self.package_dir, threads=threads, provider="CPUExecutionProvider")
+    def open_package(self, threads: int = 0, graphs: dict[str, Path] | None = None) -> OnnxPackage:
+        """A fresh session set on the float package; ``graphs`` replaces some of its graphs."""
+        package = OnnxPackage(self.package_dir, threads=threads, provider="CPUExecutionProvider")
+        for name, path in (graphs or {}).items():
+            package.use_graph(name, path)
+        return package
 
 
 def ort_cpu_target():

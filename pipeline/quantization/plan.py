@@ -30,6 +30,7 @@ class Plan:
     met_budget: bool = True
     measured: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    decoder: str = "float"     # ort_cpu decoder graphs: int8 (ORT dynamic quantization) | float
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -78,5 +79,8 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
         budget = float(raw.get("budget", 0.005))
     except (TypeError, ValueError):
         raise PipelineError("quantize.plan: 'budget' must be a number") from None
+    decoder = raw.get("decoder", "float")
+    if decoder not in PRECISIONS:
+        raise PipelineError(f"quantize.plan: 'decoder' must be one of {PRECISIONS}, got {decoder!r}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
-                measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")))
+                measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder)

@@ -65,12 +65,16 @@ def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_n
     return True
 
 
-def dynamic(float_model: Path, out: Path) -> None:
-    """The ``quantize_dynamic`` anchor: INT8 weights, activations quantized at run time."""
+def dynamic(float_model: Path, out: Path, per_channel: bool = False) -> None:
+    """ORT ``quantize_dynamic``: INT8 weights, activations quantized at run time. The anchor (its
+    defaults), and the ort_cpu decoder: one token a step leaves nothing to calibrate a static scale
+    on that a step's own range does not give, and its weights (16 MB in FP32, read every step)
+    are what INT8 saves."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     with _quiet():
-        quantize_dynamic(str(float_model), str(out), weight_type=QuantType.QInt8, op_types_to_quantize=list(OP_TYPES))
+        quantize_dynamic(str(float_model), str(out), weight_type=QuantType.QInt8, op_types_to_quantize=list(OP_TYPES),
+                         per_channel=per_channel)
 
 
 def static_defaults(float_model: Path, out: Path, reader) -> None:

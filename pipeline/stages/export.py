@@ -82,27 +82,35 @@ def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[st
 QUANTIZED_ENCODERS = {"ort_cpu": "encoder.ort_cpu.qdq.onnx", "tensorrt": "encoder.qdq.onnx", "metax": "encoder.qdq.onnx"}
 
 
-def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], str]:
-    """(model reference, QDQ encoder or None, what was handed over): prune -> quantize -> export."""
+# ort_cpu's INT8 decoders (ORT dynamic quantization), when the plan has them
+QUANTIZED_DECODERS = {"ort_cpu": {"decoder_first": "decoder_first.ort_cpu.int8.onnx",
+                                  "decoder_step": "decoder_step.ort_cpu.int8.onnx"}}
+
+
+def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
+    """(model reference, QDQ encoder or None, INT8 decoders, what was handed over):
+    prune -> quantize -> export."""
     if cfg.qdq_encoder:
-        return ctx.chain_model(cfg.model, ("prune",)), Path(cfg.qdq_encoder), ""
+        return ctx.chain_model(cfg.model, ("prune",)), Path(cfg.qdq_encoder), {}, ""
     if cfg.quantized == "none":
-        return ctx.chain_model(cfg.model, ("prune",)), None, ""
+        return ctx.chain_model(cfg.model, ("prune",)), None, {}, ""
     folder = ctx.artifacts_dir / "quantize" if cfg.quantized == "auto" else Path(cfg.quantized)
     if not (folder / "manifest.json").is_file():
         if cfg.quantized != "auto":
             raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
         model = ctx.chain_model(cfg.model, ("prune",))
-        return model, None, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
+        return model, None, {}, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
     manifest = json.loads((folder / "manifest.json").read_text())
     quantized_model = manifest["config"]["model_ref"]
     model = quantized_model if cfg.model == "auto" else cfg.model
     if ctx.model_hash(model) != manifest["inputs"]["model"]:
         if cfg.quantized == "auto":
-            return model, None, f"quantize's artifact was made from another model ({quantized_model}): float package"
+            return model, None, {}, f"quantize's artifact was made from another model ({quantized_model}): float package"
         raise PipelineError(f"export.quantized={cfg.quantized} was made from model {quantized_model!r}, "
                             f"not export.model={model!r}")
-    return model, folder / QUANTIZED_ENCODERS[target], f"took {model}'s INT8 encoder from {folder}"
+    decoders = {g: folder / f for g, f in QUANTIZED_DECODERS.get(target, {}).items() if (folder / f).is_file()}
+    took = "INT8 encoder" + (" and decoders" if decoders else "")
+    return model, folder / QUANTIZED_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
 
 
 def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
@@ -140,7 +148,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     name = cfg.name or f"export-{target.name}"
-    model_ref, qdq_path, handed = _chain(cfg, ctx, target.name)
+    model_ref, qdq_path, int8_decoders, handed = _chain(cfg, ctx, target.name)
     if handed:
         print(f"[export] {handed}", flush=True)
     adapter = ctx.load_model(model_ref)
@@ -150,6 +158,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
         if not qdq_path.is_file():
             raise PipelineError(f"export.qdq_encoder: no such file {qdq_path}")
         inputs["qdq_encoder"] = file_hash(qdq_path)
+    for g, path in int8_decoders.items():
+        inputs[f"int8_{g}"] = file_hash(path)
     config = {**asdict(cfg), "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
               "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
@@ -158,7 +168,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
             _print_summary(out.metrics)
             return out.manifest
         bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
-        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update(), inputs["model"])
+        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update(), inputs["model"],
+                             int8_decoders)
         bar.close()
         if built.violations:
             shown = "; ".join(str(v) for v in built.violations[:5])

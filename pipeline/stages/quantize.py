@@ -50,6 +50,8 @@ BUILT = True
 log = logging.getLogger(__name__)
 QDQ_ENCODER = "encoder.qdq.onnx"              # plain ops + Q/DQ: TensorRT, Metax
 QDQ_ENCODER_ORT = "encoder.ort_cpu.qdq.onnx"  # ONNX Runtime fusions + Q/DQ: ort_cpu
+DECODERS = {"decoder_first": "decoder_first.ort_cpu.int8.onnx",  # ort_cpu: INT8 weights, dynamic activations
+            "decoder_step": "decoder_step.ort_cpu.int8.onnx"}
 
 
 @dataclass
@@ -66,6 +68,7 @@ class QuantizeConfig:
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
     plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
     eval_limit: int = 64              # eval-split formulas for the final check and the anchors
+    decoder: bool = True              # ort_cpu decoder graphs in INT8 (ORT dynamic) when the budget holds
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
     name: str = "quantize"            # artifact folder
@@ -253,12 +256,32 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
                  [ort_groups[n].node for n in int8 if n in ort_groups])
     final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
     ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
+
+    # 4b. the ort_cpu decoder: INT8 weights (ORT dynamic quantization) where the budget still holds
+    # with the encoder plan in place
+    decoder_reading = None
+    if (given.decoder == "int8") if given else cfg.decoder:
+        made = {}
+        for g, name in DECODERS.items():
+            made[g] = scratch / name
+            qdq.dynamic(graphs.package_dir / f"{g}.onnx", made[g], per_channel=True)
+        decoder_reading = read(graphs.open_package(int(mcfg.threads or 0), made), folder / QDQ_ENCODER_ORT,
+                               search_images, search_truths, max_length, batch)
+        fits = float_reading.exact_match - decoder_reading.exact_match <= cfg.budget + 1e-9
+        plan.decoder = "int8" if (given or fits) else "float"
+        if plan.decoder == "int8":
+            for g, path in made.items():
+                shutil.copyfile(path, folder / DECODERS[g])
+    else:
+        plan.decoder = "float"
     plan.measured = {
         "search_set": f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(search_truths) - 1}",
         "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
         "plan_exact_match": final_reading.exact_match, "plan_cer": final_reading.cer,
         "ort_cpu_exact_match": ort_reading.exact_match, "ort_cpu_cer": ort_reading.cer,
         "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
+        "ort_cpu_int8_decoder_exact_match": None if decoder_reading is None else decoder_reading.exact_match,
+        "ort_cpu_int8_decoder_cer": None if decoder_reading is None else decoder_reading.cer,
     }
     plan.save(folder / "plan.json")
 
@@ -274,7 +297,10 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "all_int8_score": _num(all_int8_score), "metric": cfg.metric,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
-        "decoder": "float (FP32 on ort_cpu; export casts it to FP16 for tensorrt and metax)",
+        "decoder": ("ort_cpu: INT8 weights with dynamic activation quantization (ORT quantize_dynamic, per channel)"
+                    if plan.decoder == "int8" else "ort_cpu: float (FP32)")
+                   + "; TensorRT / Metax: float (export casts it to FP16)",
+        "decoder_precision": plan.decoder,
     }
     (folder / "quantize.json").write_text(json.dumps(metrics, indent=2) + "\n")
     _plots(folder, ranked, by_name, cfg.metric)
@@ -347,6 +373,9 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
         "ours (plan, ort_cpu graph)": (folder / QDQ_ENCODER_ORT, _mac_share(by_name, int8 & _weights(by_name)), search_seconds),
         "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
     }
+    decoders = {g: folder / n for g, n in DECODERS.items()} if plan.decoder == "int8" else {}
+    packages = {name: graphs.open_package(int(ctx.cfg.model.threads or 0), decoders if name.startswith("ours (plan, ort")
+                                          else None) for name in variants}
     notes: dict[str, str] = {}
     if cfg.anchors:
         for name, (path, share, secs, note) in anchors.build_all(graphs, scratch, calib_set, cfg.calib_images,
@@ -355,14 +384,15 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
                 notes[name] = note
                 continue
             variants[name] = (path, share, secs)
+            packages[name] = graphs.package
             if note:
                 notes[name] = note
     readings: dict[str, Reading] = {}
     for name, (path, _, _) in tqdm(variants.items(), desc="eval check", disable=not ctx.progress):
-        readings[name] = read(graphs.package, path, images, truths, max_length, batch)
+        readings[name] = read(packages[name], path, images, truths, max_length, batch)
     k = min(cfg.latency_images + 1, len(images))
-    timed = latency({n: (graphs.open_package(threads=1), p) for n, (p, _, _) in variants.items()},
-                    images[:k], max_length)
+    timed = latency({n: (graphs.open_package(1, decoders if n.startswith("ours (plan, ort") else None), p)
+                     for n, (p, _, _) in variants.items()}, images[:k], max_length)
     base = readings["float (ort_cpu package)"]
     rows = []
     for name, (path, share, secs) in variants.items():
@@ -467,7 +497,10 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"Plan: **{m['int8_groups']} of {m['groups']} groups INT8**, {m['int8_mac_share']:.0%} of the encoder's "
         f"MatMul MACs; budget {m['budget']:.3f} exact-match loss vs float: {status}. "
         f"On the search set ({s['search_set']}): float {s['float_exact_match']:.3f} / CER {s['float_cer']:.3f}, "
-        f"plan {s['plan_exact_match']:.3f} / {s['plan_cer']:.3f} (ort_cpu graph {s['ort_cpu_exact_match']:.3f}).\n\n"
+        f"plan {s['plan_exact_match']:.3f} / {s['plan_cer']:.3f} (ort_cpu graph {s['ort_cpu_exact_match']:.3f}"
+        + ("" if s.get("ort_cpu_int8_decoder_exact_match") is None else
+           f"; with the INT8 decoder {s['ort_cpu_int8_decoder_exact_match']:.3f} / {s['ort_cpu_int8_decoder_cer']:.3f}: "
+           f"decoder {m['decoder_precision']}") + ").\n\n"
         f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
         f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
         f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\nSmoothQuant: not run "
@@ -490,5 +523,6 @@ def _print_summary(m: dict) -> None:
                  f"encoder {base['encoder_ms'] / ours['encoder_ms']:.2f}x, end to end "
                  f"{base['total_ms'] / ours['total_ms']:.2f}x faster (ort_cpu, 1 thread)")
     print(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
-          f"({m['int8_mac_share']:.0%} of MatMul MACs), budget {'met' if m['met_budget'] else 'NOT met'}{speed}",
+          f"({m['int8_mac_share']:.0%} of MatMul MACs), ort_cpu decoder {m.get('decoder_precision', 'float')}, "
+          f"budget {'met' if m['met_budget'] else 'NOT met'}{speed}",
           flush=True)
