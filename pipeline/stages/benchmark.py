@@ -48,8 +48,8 @@ class BenchmarkConfig:
     split: str = "eval"              # corpus split the formulas come from ...
     formulas: Optional[str] = None   # ... or a file, one LaTeX formula per line
     eval_limit: Optional[int] = None  # formulas read for exact match / CER; null = all of them
-    full_prefix_limit: int = 16      # the full-prefix decoder is slow (~2 s/formula): its accuracy on the first N
-    samples: int = 12                # images timed at batch 1, per variant
+    full_prefix_limit: int = 8       # the full-prefix decoder is slow (2-7 s a formula): its accuracy on the first N
+    samples: int = 8                 # images timed at batch 1, per variant
     warmup: int = 1                  # untimed images first (session and allocator warm-up)
     batch_size: int = 8              # batch of the accuracy pass, whose wall time gives images/s
     threads: int = 1                 # torch and ONNX Runtime intra-op threads (same for every variant)
