@@ -16,7 +16,7 @@ from pipeline.reports import markdown_table, plt, savefig
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
 
-HEADER = ["variant", "exact match", "CER", "n", "identical tokens", "p50 ms", "p95 ms", "images/s (batch 8)",
+HEADER = ["variant", "exact match", "Δ points", "CER", "n", "identical tokens", "p50 ms", "p95 ms", "images/s (batch 8)",
           "peak RSS MB", "size MB", "speedup p50", "throughput ratio", "size ratio"]
 
 
@@ -28,7 +28,9 @@ def table_rows(variants: Sequence[dict]) -> list[list[str]]:
     rows = []
     for v in variants:
         r = v.get("ratios", {})
-        rows.append([v["label"], _f(v["exact_match"], ".3f"), _f(v["cer"], ".3f"), v["accuracy_n"],
+        delta = r.get("exact_match_points_vs_reference")
+        rows.append([v["label"], _f(v["exact_match"], ".3f"), "–" if delta is None else f"{delta:+.1f}",
+                     _f(v["cer"], ".3f"), v["accuracy_n"],
                      _f(v.get("identical_tokens"), ".3f"), _f(v["latency"]["p50_ms"], ".0f"),
                      _f(v["latency"]["p95_ms"], ".0f"), _f(v["images_per_s"], ".2f"),
                      _f(v.get("peak_mb"), ".0f"), _f(v["size_mb"], ".1f"),

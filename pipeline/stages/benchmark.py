@@ -169,6 +169,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
     pkgs = [v for v in variants if v.kind == PACKAGE]
     if pkgs:
         target = next((v for v in pkgs if v.label == cfg.serve), pkgs[0])
+        if target.label != cfg.serve:
+            notes.append(f"no package labelled {cfg.serve!r} (benchmark.serve): the serving test ran on {target.label!r}")
         serving = {"label": target.label, **measure.serve(target.decode, images, max_length, cfg.clients,
                                                           cfg.requests)}
     else:
@@ -240,7 +242,8 @@ def _write_report(folder: Path, m: dict) -> None:
              f"{m['threads']} intra-op thread(s) for torch and ONNX Runtime alike. Exact match and CER from one "
              f"batched greedy pass (batch {m['batch_size']}), whose wall time gives images/s (variants one after "
              f"the other). Latency: batch 1, {m['latency_images']} images, each read by every variant in turn so "
-             f"all see the same load. Identical tokens: vs `{m['reference']}` on the same images. Peak RSS: a "
+             f"all see the same load. Identical tokens, and Δ points (exact match minus the reference's on "
+             f"the same formulas): vs `{m['reference']}`. Peak RSS: a "
              f"fresh process per variant that loads it and reads one batch (includes the interpreter and "
              f"its libraries). Ratios against `{m['shipped']}`; wall-clock numbers on a shared machine: "
              f"compare ratios within one run.", "", summary.table(m["variants"]), "", "![Pareto](pareto.png)", ""]
