@@ -184,3 +184,18 @@ def test_real_model_against_its_exported_package():
         assert v["exact_match"] == 1.0 and v["identical_tokens"] == 1.0 and v["accuracy_n"] == 2
     assert m["serving"]["n"] == 2 and by["exported"]["peak_mb"] is None
     assert (root / "summary.md").is_file()
+
+
+def test_evaluate_stage_reading_of_the_shipped_model_is_noted_for_the_same_cap(tmp_path):
+    from pipeline.stages.benchmark import _evaluate_note
+
+    (tmp_path / "evaluate").mkdir()
+    manifest = {"key": "k1", "config": {"model": "original", "max_length": 160},
+                "metrics": {"source": "corpus split 'eval'", "n": 574, "kv_cache": True, "exact_match": 0.549,
+                            "cer": 0.268}}
+    (tmp_path / "evaluate" / "manifest.json").write_text(json.dumps(manifest))
+    ctx = make_ctx(tmp_path)
+    key, line = _evaluate_note(ctx, "original", 160)
+    assert key == "k1" and "n=574" in line and "exact match 0.549" in line and "KV-cached" in line
+    assert _evaluate_note(ctx, "original", 64) is None          # another cap: not comparable
+    assert _evaluate_note(ctx, "prune", 160) is None            # another model

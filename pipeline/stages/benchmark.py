@@ -110,6 +110,10 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     formulas, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(cfg.model)
     inputs.update({f"package:{label}": file_hash(folder) for label, folder in folders.items()})
+    evaluated = _evaluate_note(ctx, cfg.model, max_length)
+    if evaluated:
+        inputs["evaluate"] = evaluated[0]
+        notes.append(evaluated[1])
     config = {**asdict(cfg), "max_length": max_length, "packages_resolved": {k: str(v) for k, v in folders.items()}}
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
@@ -219,6 +223,24 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
                                                      f"cap {max_length}: images/s vs exact match")
     _write_report(folder, metrics)
     return metrics
+
+
+def _evaluate_note(ctx: StageContext, model: str, max_length: int) -> Optional[tuple[str, str]]:
+    """(manifest key, a line) of stage evaluate's reading of the same model at the same cap, if any:
+    the shipped model's accuracy on its whole source, beside the benchmark's subset."""
+    path = ctx.artifacts_dir / "evaluate" / "manifest.json"
+    if model not in ("original", "package") or not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        m, c = manifest["metrics"], manifest["config"]
+    except (json.JSONDecodeError, OSError, KeyError):
+        return None
+    if c.get("model") not in ("original", "package") or int(c.get("max_length", -1)) != max_length:
+        return None
+    decoder = "KV-cached decoding (the same tokens as the full prefix)" if m.get("kv_cache") else "full-prefix decoding"
+    return manifest.get("key", ""), (f"stage evaluate ({m.get('source')}, n={m.get('n')}, {decoder}): the shipped "
+                                     f"model's exact match {m.get('exact_match', 0):.3f}, CER {m.get('cer', 0):.3f}")
 
 
 def _subset_em(reading: dict, n: int) -> float:
