@@ -17,7 +17,7 @@ from tiny_model import FORMULAS, build_tiny, fake_ctx
 from pipeline.errors import PipelineError
 
 SMALL = ["model.max_length=8", "benchmark.samples=2", "benchmark.memory_images=2", "benchmark.clients=2",
-         "benchmark.requests=2", "benchmark.full_prefix_limit=3"]
+         "benchmark.requests=2", "benchmark.full_prefix_limit=3", "benchmark.torch_limit=6"]
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,10 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     kinds = {v["label"]: v["kind"] for v in m["variants"]}
     assert kinds["deployable"] == kinds["mine"] == "package"
     by = {v["label"]: v for v in m["variants"]}
-    assert by["torch tiny-model"]["accuracy_n"] == 3                       # full_prefix_limit
-    assert by["deployable"]["accuracy_n"] == by["torch tiny-model + KV cache"]["accuracy_n"] == m["n_formulas"] == 10
+    assert by["torch tiny-model"]["accuracy_n"] == by["torch tiny-model"]["compared_n"] == 3   # full_prefix_limit
+    assert by["torch tiny-model + KV cache"]["accuracy_n"] == 6                                  # torch_limit
+    assert by["deployable"]["accuracy_n"] == m["n_formulas"] == 10
+    assert by["deployable"]["compared_n"] == 6          # compared with the reference where both read
     assert by["deployable"]["location"] == str(root / "export-ort_cpu")
     for v in m["variants"]:
         assert v["latency"]["n"] == 2 and v["latency"]["p50_ms"] <= v["latency"]["p95_ms"] <= v["latency"]["max_ms"]
@@ -86,6 +88,7 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     d = by["deployable"]
     assert d["ratios"]["speedup_p50"] == pytest.approx(shipped["latency"]["p50_ms"] / d["latency"]["p50_ms"])
     assert d["ratios"]["size"] == pytest.approx(d["size_mb"] / shipped["size_mb"])
+    assert d["ratios"]["exact_match_points_vs_reference"] == 0.0  # same tokens, same formulas
     # the KV-cached torch decoder is the reference: identical to itself, and fp32 ORT reads the same tokens
     assert by["torch tiny-model + KV cache"]["identical_tokens"] == 1.0
     assert d["identical_tokens"] == 1.0
