@@ -96,7 +96,9 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     for name in ("report.md", "pareto.png", "benchmark.json", "predictions.jsonl", "manifest.json"):
         assert (folder / name).is_file(), name
     assert len((folder / "predictions.jsonl").read_text().splitlines()) == 10
-    assert "## Serving" in (folder / "report.md").read_text()
+    report = (folder / "report.md").read_text()
+    assert "## Serving" in report and "## Where the time went" in report
+    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "latency", "serving", "peak memory"}
 
 
 def test_summary_files_hold_the_table_and_links_to_every_report(root, benched):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Optional
@@ -109,7 +110,6 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     for note in notes:
         print(f"[benchmark] {note}", flush=True)
     max_length = int(ctx.cfg.model.max_length)
-    adapter = ctx.load_model(cfg.model)
     formulas, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(cfg.model)
     inputs.update({f"package:{label}": file_hash(folder) for label, folder in folders.items()})
@@ -122,7 +122,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
         if out.reused:
             print(f"[benchmark] unchanged, reused {out.path}")
         else:
-            out.metrics.update(_measure(cfg, ctx, adapter, folders, formulas, max_length, notes, out.path))
+            out.metrics.update(_measure(cfg, ctx, folders, formulas, max_length, notes, out.path))
     metrics = out.metrics
     if cfg.summary:
         md, _ = summary.write_summary(ctx.artifacts_dir, out.path, metrics)
@@ -131,11 +131,21 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     return out.manifest
 
 
-def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str, Path], formulas: list[str],
+def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], formulas: list[str],
              max_length: int, notes: list[str], folder: Path) -> dict:
     threads = int(cfg.threads)
     torch.set_num_threads(threads)
+    clock = [time.perf_counter()]
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:  # where the stage's minutes go, reported per phase
+        now = time.perf_counter()
+        phases[name] = round(now - clock[0], 1)
+        clock[0] = now
+
+    adapter = ctx.load_model(cfg.model)
     images, truths = _render(adapter, formulas, cfg.eval_limit, ctx.progress)
+    lap("load and render")
     family, trust = str(ctx.cfg.model.adapter), bool(ctx.cfg.model.trust_checkpoint)
     model_folder = ctx.model_folder(cfg.model)
     source = "package" if model_folder is None else str(model_folder)
@@ -159,6 +169,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
         reads[v.label] = measure.accuracy(v, images[:k], truths[:k], max_length, cfg.batch_size)
         bar.update()
     bar.close()
+    lap("accuracy")
     reference = reads[variants[1].label] if len(variants) > 1 and variants[1].kind == TORCH_KV else reads[shipped.label]
     for v in variants[:2]:
         if reads[v.label]["n"] < len(truths):
@@ -175,6 +186,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
     bar = tqdm(total=len(lat_images) - cfg.warmup, desc="latency batch 1", disable=not ctx.progress)
     lat = measure.latency(variants, lat_images, max_length, cfg.warmup, progress=bar.update)
     bar.close()
+    lap("latency")
 
     serving = None
     pkgs = [v for v in variants if v.kind == PACKAGE]
@@ -186,12 +198,14 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
                                                           cfg.requests)}
     else:
         notes.append("no exported package: no serving test")
+    lap("serving")
 
     memory = {}
     if cfg.memory:
         mem_images = images[:cfg.memory_images]
         for v in tqdm(variants, desc="peak memory", disable=not ctx.progress):
             memory[v.label] = measure.peak_memory(v.spec, mem_images, max_length, cfg.batch_size, threads)
+    lap("peak memory")
 
     rows = []
     for v in variants:
@@ -199,6 +213,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
         both = min(r["n"], reference["n"])
         row = {"label": v.label, "kind": v.kind, "location": v.location, "exact_match": r["exact_match"],
                "cer": r["cer"], "accuracy_n": r["n"], "hit_cap_share": r["hit_cap_share"],
+               "accuracy_seconds": r["seconds"],
                "identical_tokens": measure.identical_share(r["token_ids"][:both], reference["token_ids"][:both]),
                "compared_n": both,
                "exact_match_points_vs_reference": 100 * (_subset_em(r, both) - _subset_em(reference, both)),
@@ -222,7 +237,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, adapter, folders: dict[str
     metrics = {"shipped": shipped.label, "reference": [v.label for v in variants if reads[v.label] is reference][0],
                "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
                "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
-               "latency_images": lat[shipped.label]["n"], "variants": rows, "serving": serving, "notes": notes}
+               "latency_images": lat[shipped.label]["n"], "variants": rows, "serving": serving, "notes": notes,
+               "phase_seconds": phases}
     (folder / "benchmark.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(folder / "predictions.jsonl", "w", encoding="utf-8") as f:
         for i, truth in enumerate(truths):
@@ -285,6 +301,10 @@ def _write_report(folder: Path, m: dict) -> None:
     lines += ["## Where each variant is", "",
               markdown_table(["variant", "kind", "location"], [[v["label"], v["kind"], f"`{v['location']}`"]
                                                                 for v in m["variants"]]), ""]
+    if m.get("phase_seconds"):
+        per = ", ".join(f"{v['label']} {v['accuracy_seconds']:.0f} s" for v in m["variants"])
+        lines += ["## Where the time went", "", ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_seconds"].items())
+                  + f" (accuracy by variant: {per}).", ""]
     if m["notes"]:
         lines += ["## Notes", ""] + [f"- {n}" for n in m["notes"]] + [""]
     (folder / "report.md").write_text("\n".join(lines))
