@@ -1,8 +1,6 @@
 """The runner on a small real subset: ``stage=infer`` reads rendered formulas with the exported
-package alone, batched or not; bad input is one clear error; the latency benchmark reports."""
+package alone, batched or not; bad input is one clear error. (The benchmark: test_benchmark.py.)"""
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -12,7 +10,7 @@ from pipeline.data.render import render_formula
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
 from conftest import make_ctx, run_cli
-from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package  # one export per session
+from export_session import FORMULAS, MAX_LENGTH, ort_package  # one export per session
 
 
 @pytest.fixture(scope="module")
@@ -86,21 +84,3 @@ def test_infer_bad_input_is_one_clear_error(pkg, image_dir, tmp_path):
     with pytest.raises(PipelineError, match="decoder_step.onnx missing"):
         run(broken, image_dir)
 
-
-def test_benchmark_reports_latency_ratios(pkg):
-    from pipeline.stages import benchmark
-
-    root = artifacts_root()
-    ctx = make_ctx(root, [f"benchmark.package={pkg}", f"benchmark.formulas={root / 'formulas.txt'}",
-                          "benchmark.samples=1", "benchmark.warmup=0", f"model.max_length={MAX_LENGTH}"])
-    manifest = benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)
-    m = manifest["metrics"]
-    folder = root / "benchmark-export-ort_cpu"
-    assert (folder / "report.md").is_file() and (folder / "latency.png").is_file()
-    assert m["n"] == 1 and m["identical_tokens"] == 1.0
-    assert m["speedup_total"] == round(m["torch_total_ms"] / m["onnx_total_ms"], 2)
-    rows = json.loads((folder / "latency.json").read_text())["rows"]
-    assert rows[0]["steps_torch"] == rows[0]["steps_onnx"]
-    report = (folder / "report.md").read_text()
-    assert f"{m['speedup_total']}x" in report
-    assert m["speedup_vs_torch_cached"] == round(m["torch_cached_total_ms"] / m["onnx_total_ms"], 2)

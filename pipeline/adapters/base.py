@@ -68,6 +68,10 @@ class ModelAdapter(abc.ABC):
     def save(self, folder: Path) -> None:
         """Write safetensors weights plus a JSON config that :meth:`load` reads back."""
 
+    def source_files(self) -> list[Path]:
+        """The files the model was loaded from (its size on disk as shipped); [] when not known."""
+        return []
+
     # ---- input ------------------------------------------------------------------------------
     @property
     @abc.abstractmethod

@@ -158,6 +158,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
 
+    def source_files(self) -> list[Path]:
+        # the shipped assets (checkpoint, config, tokenizer) or a saved model folder: both hold the tokenizer
+        return sorted(p for p in self.tokenizer_path.parent.iterdir() if p.is_file())
+
     def save(self, folder: Path) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 # Order of ``stage=all``: the baseline first, then each stage reading the previous one's artifacts.
-ORDER = ("evaluate", "prune", "tokenizer", "calibrate", "quantize", "export")
-EXTRA = ("benchmark", "infer")
+ORDER = ("evaluate", "prune", "tokenizer", "calibrate", "quantize", "export", "benchmark")
+EXTRA = ("infer",)
 
 
 @dataclass(frozen=True)

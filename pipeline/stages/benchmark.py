@@ -1,52 +1,81 @@
-"""Stage benchmark: per-image latency at batch 1, torch model vs exported package, same run.
+"""Stage benchmark: every variant of the model on the same images, one run, and the run's summary.
 
-``python -m pipeline stage=benchmark benchmark.package=export-ort_cpu`` times the torch model
-(full-prefix decoder) and the package (ONNX Runtime, KV-cached decoder) on the same rendered
-formulas, one image at a time, interleaved so both see the same machine load. Ratios are printed
-and reported, never asserted. Where the adapter has a KV-cached torch decoder it is timed too.
+``python -m pipeline stage=benchmark`` compares the shipped torch model (full-prefix decoder), the
+same model with the KV cache, and every exported ONNX Runtime package in ``benchmark.packages``
+(label -> package folder or export stage name; by default the packages that exist among
+``export-ort_cpu``, the chain's deployable one, and ``export-ort_cpu-float-original``). For each:
+exact match and CER, identical greedy tokens vs the shipped model, p50/p95 latency at batch 1 (images
+interleaved across variants), images/s at batch 8, peak resident memory (a fresh process each), size
+on disk, and the ratio to the shipped model. Plus the serving test (concurrent clients sharing one
+package's sessions) and a Pareto plot. Writes ``<artifacts>/summary.md`` and ``summary.json`` with the
+table and a link to every stage's report. Ratios are printed and reported, never asserted.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline.benchmarking import measure, summary
+from pipeline.benchmarking.variants import (PACKAGE, TORCH, TORCH_KV, Variant, package_variant, resolve_packages,
+                                            torch_variant)
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
-from pipeline.export.runtime import PACKAGE_META, OnnxPackage
-from pipeline.reports import markdown_table, plt, savefig
+from pipeline.reports import markdown_table
 
 NAME = "benchmark"
 CONFIG_KEY = "benchmark"
+log = logging.getLogger(__name__)
+
+# label -> export stage name: benchmarked when they exist (the float one: stage=export export.model=original
+# export.quantized=none export.name=export-ort_cpu-float-original)
+DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original"}
 
 
 @dataclass
 class BenchmarkConfig:
-    package: str = "export-ort_cpu"   # exported package: a folder, or an export stage's name
-    model: str = "original"          # the torch reference: original | a stage with a model | a folder
+    model: str = "original"          # the shipped torch model every ratio is against (a stage, a folder)
+    packages: Dict[str, str] = field(default_factory=dict)  # label -> package folder or export stage name
+    default_packages: bool = True    # also the DEFAULT_PACKAGES that exist (missing ones are skipped)
+    serve: str = "deployable"        # the package label the serving test runs on (else the first package)
     split: str = "eval"              # corpus split the formulas come from ...
     formulas: Optional[str] = None   # ... or a file, one LaTeX formula per line
-    samples: int = 8                 # images timed (batch 1)
-    warmup: int = 1                  # untimed runs first (session and allocator warm-up)
-    threads: int = 1                 # torch and ONNX Runtime intra-op threads (same for both)
-    name: Optional[str] = None       # artifact folder; default benchmark-<package folder name>
+    eval_limit: Optional[int] = None  # formulas read for exact match / CER; null = all of them
+    full_prefix_limit: int = 8       # the full-prefix decoder is slow (2-7 s a formula): its accuracy on the first N
+    torch_limit: Optional[int] = 64  # the KV-cached torch model (~2 s a formula at 1 thread) reads the first N;
+                                     # null = all. Identical tokens and Δ points compare on the formulas both read
+    samples: int = 8                 # images timed at batch 1, per variant
+    warmup: int = 1                  # untimed images first (session and allocator warm-up)
+    batch_size: int = 8              # batch of the accuracy pass, whose wall time gives images/s
+    threads: int = 1                 # torch and ONNX Runtime intra-op threads (same for every variant)
+    clients: int = 4                 # serving test: concurrent clients ...
+    requests: int = 8                # ... each sending this many batch-1 requests
+    memory: bool = True              # peak resident memory, one fresh process per variant
+    memory_images: int = 8           # images that process reads (one batch)
+    summary: bool = True             # write <artifacts>/summary.md and summary.json
+    name: str = "benchmark"          # artifact folder
 
 
 Config = BenchmarkConfig
 
 
-def _package_folder(ref: str, ctx: StageContext) -> Path:
-    for cand in (Path(ref), ctx.artifacts_dir / ref):
-        if (cand / PACKAGE_META).is_file():
-            return cand
-    raise PipelineError(f"benchmark.package={ref}: no exported package there (run stage=export first)")
+def _validate(cfg: BenchmarkConfig) -> None:
+    for key in ("full_prefix_limit", "samples", "batch_size", "threads", "clients", "requests", "memory_images"):
+        if getattr(cfg, key) < 1:
+            raise PipelineError(f"benchmark.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.warmup < 0:
+        raise PipelineError(f"benchmark.warmup must be >= 0, got {cfg.warmup}")
+    for key in ("eval_limit", "torch_limit"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            raise PipelineError(f"benchmark.{key} must be >= 1 or null, got {getattr(cfg, key)}")
 
 
 def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
@@ -59,125 +88,234 @@ def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[
     return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 
+def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) -> tuple[np.ndarray, list[str]]:
+    images, truths = [], []
+    for latex in tqdm(formulas, desc="render", disable=not progress):
+        if limit is not None and len(truths) >= limit:
+            break
+        try:
+            images.append(adapter.preprocess(render_formula(latex)).numpy())
+        except RenderError:
+            continue
+        truths.append(latex)
+    if not truths:
+        raise PipelineError("no benchmark formula could be rendered")
+    return np.stack(images).astype(np.float32), truths
+
+
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
-    if cfg.samples < 1:
-        raise PipelineError(f"benchmark.samples must be >= 1, got {cfg.samples}")
-    folder = _package_folder(cfg.package, ctx)
+    _validate(cfg)
+    defaults = DEFAULT_PACKAGES if cfg.default_packages else {}
+    folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir)
+    for note in notes:
+        print(f"[benchmark] {note}", flush=True)
     max_length = int(ctx.cfg.model.max_length)
-    adapter = ctx.load_model(cfg.model)
     formulas, inputs = _formulas(cfg, ctx)
-    inputs.update({"model": ctx.model_hash(cfg.model), "package": file_hash(folder / PACKAGE_META)})
-    name = cfg.name or f"benchmark-{folder.name}"
-    config = {**asdict(cfg), "max_length": max_length}
-    threads = max(1, int(cfg.threads))
-    with ctx.output(name, config, inputs) as out:
+    inputs["model"] = ctx.model_hash(cfg.model)
+    inputs.update({f"package:{label}": file_hash(folder) for label, folder in folders.items()})
+    evaluated = _evaluate_note(ctx, cfg.model, max_length)
+    if evaluated:
+        inputs["evaluate"] = evaluated[0]
+        notes.append(evaluated[1])
+    config = {**asdict(cfg), "max_length": max_length, "packages_resolved": {k: str(v) for k, v in folders.items()}}
+    with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
             print(f"[benchmark] unchanged, reused {out.path}")
-            _print_summary(out.metrics)
-            return out.manifest
-        torch.set_num_threads(threads)
-        package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
-        images = []
-        for latex in formulas:
-            if len(images) >= cfg.samples + cfg.warmup:
-                break
-            try:
-                images.append(adapter.preprocess(render_formula(latex)))
-            except RenderError:
-                continue
-        if len(images) <= cfg.warmup:
-            raise PipelineError("not enough renderable formulas to benchmark")
-        for img in images[:cfg.warmup]:
-            _time_one(adapter, package, img, max_length)
-        rows = []
-        for img in tqdm(images[cfg.warmup:], desc="benchmark (torch, onnx)", disable=not ctx.progress):
-            rows.append(_time_one(adapter, package, img, max_length))
-        metrics = _summarize(rows, threads, max_length, str(folder), package.meta.get("target"))
-        out.metrics.update(metrics)
-        (out.path / "latency.json").write_text(json.dumps({"summary": metrics, "rows": rows}, indent=2) + "\n")
-        _write_report(out.path, metrics)
+        else:
+            out.metrics.update(_measure(cfg, ctx, folders, formulas, max_length, notes, out.path))
+    metrics = out.metrics
+    if cfg.summary:
+        md, _ = summary.write_summary(ctx.artifacts_dir, out.path, metrics)
+        print(f"[benchmark] summary: {md}", flush=True)
     _print_summary(metrics)
     return out.manifest
 
 
-def _time_one(adapter, package: OnnxPackage, img: torch.Tensor, max_length: int) -> dict:
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        ref = adapter.generate(img[None], max_length=max_length, batch_size=1)
-        t_torch = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    got = package.generate(img[None].numpy(), max_length=max_length, batch_size=1)
-    t_onnx = time.perf_counter() - t0
-    row = {"steps_torch": ref.steps[0], "steps_onnx": got.steps[0], "identical": ref.token_ids[0] == got.token_ids[0],
-           "torch_encoder_ms": 1000 * ref.encoder_seconds, "torch_decoder_ms": 1000 * ref.decoder_seconds,
-           "torch_total_ms": 1000 * t_torch,
-           "onnx_encoder_ms": 1000 * got.encoder_seconds, "onnx_decoder_ms": 1000 * got.decoder_seconds,
-           "onnx_total_ms": 1000 * t_onnx}
-    if adapter.cached_decoder() is not None:  # torch with the same KV cache: what ONNX Runtime adds on top
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            cached = adapter.generate(img[None], max_length=max_length, batch_size=1, use_cache=True)
-            row["torch_cached_total_ms"] = 1000 * (time.perf_counter() - t0)
-        row["torch_cached_encoder_ms"] = 1000 * cached.encoder_seconds
-        row["torch_cached_decoder_ms"] = 1000 * cached.decoder_seconds
-    return row
+def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], formulas: list[str],
+             max_length: int, notes: list[str], folder: Path) -> dict:
+    threads = int(cfg.threads)
+    torch.set_num_threads(threads)
+    clock = [time.perf_counter()]
+    phases: dict[str, float] = {}
+
+    def lap(name: str) -> None:  # where the stage's minutes go, reported per phase
+        now = time.perf_counter()
+        phases[name] = round(now - clock[0], 1)
+        clock[0] = now
+
+    adapter = ctx.load_model(cfg.model)
+    images, truths = _render(adapter, formulas, cfg.eval_limit, ctx.progress)
+    lap("load and render")
+    family, trust = str(ctx.cfg.model.adapter), bool(ctx.cfg.model.trust_checkpoint)
+    model_folder = ctx.model_folder(cfg.model)
+    source = "package" if model_folder is None else str(model_folder)
+    shipped = torch_variant(f"torch {Path(cfg.model).name}", adapter, cfg.model, source, family, use_cache=False,
+                            trust_checkpoint=trust)
+    variants: list[Variant] = [shipped]
+    if adapter.cached_decoder() is not None:
+        variants.append(torch_variant(f"torch {Path(cfg.model).name} + KV cache", adapter, cfg.model, source, family,
+                                      use_cache=True, trust_checkpoint=trust))
+    else:
+        notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
+    variants += [package_variant(label, f, threads) for label, f in folders.items()]
+
+    # accuracy + images/s: one batched pass each; the torch decoders are slow, so they read the first
+    # full_prefix_limit / torch_limit images (the KV-cached one gives the full prefix's tokens)
+    limits = {TORCH: cfg.full_prefix_limit, TORCH_KV: cfg.torch_limit}
+    reads = {}
+    bar = tqdm(total=len(variants), desc="accuracy", disable=not ctx.progress)
+    for v in variants:
+        k = min(limits.get(v.kind) or len(truths), len(truths))
+        reads[v.label] = measure.accuracy(v, images[:k], truths[:k], max_length, cfg.batch_size)
+        bar.update()
+    bar.close()
+    lap("accuracy")
+    reference = reads[variants[1].label] if len(variants) > 1 and variants[1].kind == TORCH_KV else reads[shipped.label]
+    for v in variants[:2]:
+        if reads[v.label]["n"] < len(truths):
+            key = "full_prefix_limit" if v.kind == TORCH else "torch_limit"
+            notes.append(f"{v.label} read the first {reads[v.label]['n']} of {len(truths)} formulas (benchmark.{key})")
+    if reference["n"] < len(truths):
+        notes.append(f"identical tokens and Δ points compare each variant with {reference['n']} formulas of the "
+                     f"reference at most (the ones both read)")
+
+    need = cfg.samples + cfg.warmup
+    if len(images) < need:
+        notes.append(f"latency on {len(images) - cfg.warmup} images: only {len(images)} rendered")
+    lat_images = images[:need] if len(images) > cfg.warmup else images[:1].repeat(cfg.warmup + 1, axis=0)
+    bar = tqdm(total=len(lat_images) - cfg.warmup, desc="latency batch 1", disable=not ctx.progress)
+    lat = measure.latency(variants, lat_images, max_length, cfg.warmup, progress=bar.update)
+    bar.close()
+    lap("latency")
+
+    serving = None
+    pkgs = [v for v in variants if v.kind == PACKAGE]
+    if pkgs:
+        target = next((v for v in pkgs if v.label == cfg.serve), pkgs[0])
+        if target.label != cfg.serve:
+            notes.append(f"no package labelled {cfg.serve!r} (benchmark.serve): the serving test ran on {target.label!r}")
+        serving = {"label": target.label, **measure.serve(target.decode, images, max_length, cfg.clients,
+                                                          cfg.requests)}
+    else:
+        notes.append("no exported package: no serving test")
+    lap("serving")
+
+    memory = {}
+    if cfg.memory:
+        mem_images = images[:cfg.memory_images]
+        for v in tqdm(variants, desc="peak memory", disable=not ctx.progress):
+            memory[v.label] = measure.peak_memory(v.spec, mem_images, max_length, cfg.batch_size, threads)
+    lap("peak memory")
+
+    rows = []
+    for v in variants:
+        r = reads[v.label]
+        both = min(r["n"], reference["n"])
+        row = {"label": v.label, "kind": v.kind, "location": v.location, "exact_match": r["exact_match"],
+               "cer": r["cer"], "accuracy_n": r["n"], "hit_cap_share": r["hit_cap_share"],
+               "accuracy_seconds": r["seconds"],
+               "identical_tokens": measure.identical_share(r["token_ids"][:both], reference["token_ids"][:both]),
+               "compared_n": both,
+               "exact_match_points_vs_reference": 100 * (_subset_em(r, both) - _subset_em(reference, both)),
+               "images_per_s": r["images_per_s"], "batch_size": r["batch_size"], "latency": lat[v.label],
+               "size_mb": v.size_bytes / 2**20, "peak_mb": memory.get(v.label, {}).get("peak_mb"),
+               "base_mb": memory.get(v.label, {}).get("base_mb")}
+        if v.package is not None:
+            row["precision"] = v.package.meta.get("precision")
+            row["model"] = _package_model(Path(v.location))
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["ratios"] = {
+            "speedup_p50": base["latency"]["p50_ms"] / row["latency"]["p50_ms"],
+            "speedup_p95": base["latency"]["p95_ms"] / row["latency"]["p95_ms"],
+            "throughput": row["images_per_s"] / base["images_per_s"],
+            "size": row["size_mb"] / base["size_mb"],
+            "memory": (row["peak_mb"] / base["peak_mb"]) if row["peak_mb"] and base["peak_mb"] else None,
+            "exact_match_points_vs_reference": row["exact_match_points_vs_reference"],
+        }
+    metrics = {"shipped": shipped.label, "reference": [v.label for v in variants if reads[v.label] is reference][0],
+               "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
+               "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
+               "latency_images": lat[shipped.label]["n"], "variants": rows, "serving": serving, "notes": notes,
+               "phase_seconds": phases}
+    (folder / "benchmark.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    with open(folder / "predictions.jsonl", "w", encoding="utf-8") as f:
+        for i, truth in enumerate(truths):
+            f.write(json.dumps({"truth": truth, **{v.label: reads[v.label]["texts"][i] for v in variants
+                                                   if i < reads[v.label]["n"]}}, ensure_ascii=False) + "\n")
+    summary.pareto_plot(folder / "pareto.png", rows, f"{len(truths)} formulas, {threads} thread(s), "
+                                                     f"cap {max_length}: images/s vs exact match")
+    _write_report(folder, metrics)
+    return metrics
 
 
-def _summarize(rows: list[dict], threads: int, max_length: int, package: str, target: Optional[str]) -> dict:
-    mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0] if k.endswith("_ms")}
-    steps_t = sum(r["steps_torch"] for r in rows)
-    steps_o = sum(r["steps_onnx"] for r in rows)
-    return {
-        "n": len(rows), "threads": threads, "max_length": max_length, "package": package, "target": target,
-        **{f"{k}": round(v, 2) for k, v in mean.items()},
-        "torch_decoder_ms_per_step": round(sum(r["torch_decoder_ms"] for r in rows) / max(steps_t, 1), 3),
-        "onnx_decoder_ms_per_step": round(sum(r["onnx_decoder_ms"] for r in rows) / max(steps_o, 1), 3),
-        "speedup_total": round(mean["torch_total_ms"] / mean["onnx_total_ms"], 2),
-        "speedup_encoder": round(mean["torch_encoder_ms"] / mean["onnx_encoder_ms"], 2),
-        "speedup_decoder": round(mean["torch_decoder_ms"] / mean["onnx_decoder_ms"], 2),
-        "identical_tokens": float(np.mean([r["identical"] for r in rows])),
-        "speedup_vs_torch_cached": round(mean["torch_cached_total_ms"] / mean["onnx_total_ms"], 2)
-        if "torch_cached_total_ms" in mean else None,
-        "mean_steps": float(np.mean([r["steps_torch"] for r in rows])),
-    }
+def _evaluate_note(ctx: StageContext, model: str, max_length: int) -> Optional[tuple[str, str]]:
+    """(manifest key, a line) of stage evaluate's reading of the same model at the same cap, if any:
+    the shipped model's accuracy on its whole source, beside the benchmark's subset."""
+    path = ctx.artifacts_dir / "evaluate" / "manifest.json"
+    if model not in ("original", "package") or not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        m, c = manifest["metrics"], manifest["config"]
+    except (json.JSONDecodeError, OSError, KeyError):
+        return None
+    if c.get("model") not in ("original", "package") or int(c.get("max_length", -1)) != max_length:
+        return None
+    decoder = "KV-cached decoding (the same tokens as the full prefix)" if m.get("kv_cache") else "full-prefix decoding"
+    return manifest.get("key", ""), (f"stage evaluate ({m.get('source')}, n={m.get('n')}, {decoder}): the shipped "
+                                     f"model's exact match {m.get('exact_match', 0):.3f}, CER {m.get('cer', 0):.3f}")
+
+
+def _subset_em(reading: dict, n: int) -> float:
+    """Exact match of a reading on its first ``n`` formulas (where two readings overlap)."""
+    return float(np.mean(reading["exact"][:n])) if n else 0.0
+
+
+def _package_model(folder: Path) -> Optional[str]:
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text()).get("config", {}).get("model_ref")
+    except (json.JSONDecodeError, OSError):
+        return None
 
 
 def _write_report(folder: Path, m: dict) -> None:
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    labels = ["torch\n(full prefix)", "ONNX\n(KV cache)"]
-    enc = [m["torch_encoder_ms"], m["onnx_encoder_ms"]]
-    dec = [m["torch_decoder_ms"], m["onnx_decoder_ms"]]
-    ax.bar(labels, enc, color="#4477aa", label="encoder")
-    ax.bar(labels, dec, bottom=enc, color="#ee6677", label="decoder")
-    ax.set_ylabel("ms per image (batch 1)")
-    ax.set_title(f"Latency, {m['n']} images, {m['threads']} thread(s): {m['speedup_total']}x")
-    ax.legend()
-    savefig(fig, folder / "latency.png")
-    table = markdown_table(["", "torch", "ONNX package", "ratio torch / ONNX"], [
-        ["encoder ms / image", f"{m['torch_encoder_ms']:.1f}", f"{m['onnx_encoder_ms']:.1f}", f"{m['speedup_encoder']}x"],
-        ["decoder ms / image", f"{m['torch_decoder_ms']:.1f}", f"{m['onnx_decoder_ms']:.1f}", f"{m['speedup_decoder']}x"],
-        ["decoder ms / step", f"{m['torch_decoder_ms_per_step']:.2f}", f"{m['onnx_decoder_ms_per_step']:.2f}", ""],
-        ["end to end ms / image", f"{m['torch_total_ms']:.1f}", f"{m['onnx_total_ms']:.1f}", f"{m['speedup_total']}x"],
-    ])
-    if m.get("speedup_vs_torch_cached") is not None:
-        table += "\n\n" + markdown_table(["torch with the adapter's KV cache", "ms / image", "ratio to ONNX"], [
-            ["encoder", f"{m['torch_cached_encoder_ms']:.1f}", ""],
-            ["decoder", f"{m['torch_cached_decoder_ms']:.1f}", ""],
-            ["end to end", f"{m['torch_cached_total_ms']:.1f}", f"{m['speedup_vs_torch_cached']}x"],
-        ])
-    (folder / "report.md").write_text(
-        f"# Latency: torch vs {Path(m['package']).name} ({m['target']})\n\n"
-        f"Batch 1, {m['n']} rendered formulas (mean {m['mean_steps']:.1f} decode steps, cap {m['max_length']} "
-        f"incl. BOS), {m['threads']} intra-op thread(s) for both, timed one image at a time, torch and ONNX "
-        f"interleaved so both see the same machine load. ONNX runs on ONNX Runtime CPU. Identical greedy "
-        f"tokens on {m['identical_tokens']:.3f} of them.\n\n{table}\n\n![latency](latency.png)\n\n"
-        "Wall-clock times on a shared machine: compare the ratios of one run, not absolute numbers "
-        "across runs.\n")
+    lines = [f"# Benchmark: {len(m['variants'])} variants, same images, one run", "",
+             f"{m['n_formulas']} formulas from the {m['source']}, decode cap {m['max_length']} (BOS included), "
+             f"{m['threads']} intra-op thread(s) for torch and ONNX Runtime alike. Exact match and CER from one "
+             f"batched greedy pass (batch {m['batch_size']}), whose wall time gives images/s (variants one after "
+             f"the other). Latency: batch 1, {m['latency_images']} images, each read by every variant in turn so "
+             f"all see the same load. Identical tokens, and Δ points (exact match minus the reference's on "
+             f"the same formulas): vs `{m['reference']}`. Peak RSS: a "
+             f"fresh process per variant that loads it and reads one batch (includes the interpreter and "
+             f"its libraries). Ratios against `{m['shipped']}`; wall-clock numbers on a shared machine: "
+             f"compare ratios within one run.", "", summary.table(m["variants"]), "", "![Pareto](pareto.png)", ""]
+    if m["serving"]:
+        lines += ["## Serving", "", f"{m['serving']['clients']} concurrent clients (threads) x "
+                  f"{m['serving']['requests_per_client']} batch-1 requests each against one in-process package "
+                  "(the threads share its ONNX Runtime sessions):", "", summary.serving_table(m["serving"]), ""]
+    lines += ["## Where each variant is", "",
+              markdown_table(["variant", "kind", "location"], [[v["label"], v["kind"], f"`{v['location']}`"]
+                                                                for v in m["variants"]]), ""]
+    if m.get("phase_seconds"):
+        per = ", ".join(f"{v['label']} {v['accuracy_seconds']:.0f} s" for v in m["variants"])
+        lines += ["## Where the time went", "", ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_seconds"].items())
+                  + f" (accuracy by variant: {per}).", ""]
+    if m["notes"]:
+        lines += ["## Notes", ""] + [f"- {n}" for n in m["notes"]] + [""]
+    (folder / "report.md").write_text("\n".join(lines))
 
 
 def _print_summary(m: dict) -> None:
-    print(f"[benchmark] {m['target']} n={m['n']} threads={m['threads']}: torch {m['torch_total_ms']:.0f} ms/img "
-          f"(decoder {m['torch_decoder_ms_per_step']:.2f} ms/step) vs ONNX {m['onnx_total_ms']:.0f} ms/img "
-          f"(decoder {m['onnx_decoder_ms_per_step']:.2f} ms/step): {m['speedup_total']}x end to end, "
-          f"encoder {m['speedup_encoder']}x, decoder {m['speedup_decoder']}x; vs torch with KV cache "
-          f"{m.get('speedup_vs_torch_cached')}x", flush=True)
+    print(f"[benchmark] {m['n_formulas']} formulas, cap {m['max_length']}, {m['threads']} thread(s); "
+          f"ratios vs {m['shipped']}:", flush=True)
+    print(summary.table(m["variants"]), flush=True)
+    s = m.get("serving")
+    if s:
+        print(f"[benchmark] serving {s['label']}: {s['clients']} clients x {s['requests_per_client']} requests: "
+              f"mean {s['mean_ms']:.0f} ms, p50 {s['p50_ms']:.0f} ms, p95 {s['p95_ms']:.0f} ms, "
+              f"{s['requests_per_s']:.2f} requests/s", flush=True)

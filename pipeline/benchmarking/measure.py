@@ -1,0 +1,114 @@
+"""What the benchmark measures on each variant: accuracy and throughput of one batched pass,
+batch-1 latency with images interleaved across variants, concurrent serving, peak memory."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from pipeline.adapters.base import DecodeResult
+from pipeline.benchmarking.variants import Variant
+from pipeline.errors import PipelineError
+from pipeline.metrics import corpus_cer, normalize
+
+log = logging.getLogger(__name__)
+Decode = Callable[[np.ndarray, int, int], DecodeResult]
+
+
+def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_length: int,
+             batch_size: int) -> dict:
+    """One batched greedy pass: exact match, corpus CER, images/s at ``batch_size``, the tokens."""
+    t0 = time.perf_counter()
+    result = variant.decode(images, max_length, batch_size)
+    seconds = time.perf_counter() - t0
+    exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
+    return {"n": len(truths), "exact_match": float(np.mean(exact)) if exact else 0.0,
+            "cer": corpus_cer(result.texts, list(truths)), "images_per_s": len(truths) / seconds,
+            "batch_size": batch_size, "seconds": seconds, "token_ids": result.token_ids, "texts": result.texts, "exact": exact,
+            "hit_cap_share": float(np.mean(result.hit_cap)) if result.hit_cap else 0.0}
+
+
+def identical_share(ids: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
+    """Share of images whose greedy tokens equal the reference's (over the images both read)."""
+    pairs = list(zip(ids, reference))
+    return float(np.mean([list(a) == list(b) for a, b in pairs])) if pairs else 0.0
+
+
+def _percentiles(seconds: Sequence[float]) -> dict:
+    ms = 1000 * np.asarray(seconds, dtype=np.float64)
+    return {"n": int(ms.size), "mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+            "p95_ms": float(np.percentile(ms, 95)), "max_ms": float(ms.max())}
+
+
+def latency(variants: Sequence[Variant], images: np.ndarray, max_length: int, warmup: int = 1,
+            progress: Callable[[int], None] | None = None) -> dict[str, dict]:
+    """Batch-1 end-to-end latency per variant; each image is read by every variant in turn, so all
+    see the same machine load. The first ``warmup`` images are read untimed."""
+    if len(images) <= warmup:
+        raise PipelineError(f"latency needs more than warmup={warmup} images, got {len(images)}")
+    for img in images[:warmup]:
+        for v in variants:
+            v.decode(img[None], max_length, 1)
+    times: dict[str, list[float]] = {v.label: [] for v in variants}
+    for img in images[warmup:]:
+        for v in variants:
+            t0 = time.perf_counter()
+            v.decode(img[None], max_length, 1)
+            times[v.label].append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(1)
+    return {label: _percentiles(t) for label, t in times.items()}
+
+
+def serve(decode: Decode, images: np.ndarray, max_length: int, clients: int = 4, requests: int = 8) -> dict:
+    """``clients`` threads, each sending ``requests`` batch-1 requests back to back, against one
+    in-process variant (one set of ONNX Runtime sessions shared by the threads)."""
+    if clients < 1 or requests < 1:
+        raise PipelineError(f"serving needs clients >= 1 and requests >= 1, got {clients} x {requests}")
+    if len(images) == 0:
+        raise PipelineError("serving needs at least one image")
+
+    def client(i: int) -> list[float]:
+        out = []
+        for j in range(requests):
+            img = images[(i * requests + j) % len(images)]
+            t0 = time.perf_counter()
+            decode(img[None], max_length, 1)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        per_client = list(pool.map(client, range(clients)))
+    wall = time.perf_counter() - t0
+    stats = _percentiles([t for c in per_client for t in c])
+    return {"clients": clients, "requests_per_client": requests, **stats, "wall_s": wall,
+            "requests_per_s": clients * requests / wall}
+
+
+def peak_memory(spec: dict, images: np.ndarray, max_length: int, batch_size: int, threads: int,
+                timeout: float = 900) -> dict:
+    """Peak resident memory of a fresh process that loads the variant and reads ``images``.
+
+    ``base_mb`` is the same process after its imports, before the model is loaded."""
+    with tempfile.TemporaryDirectory(prefix="peak-memory-") as tmp:
+        path = Path(tmp) / "images.npy"
+        np.save(path, images.astype(np.float32, copy=False))
+        job = {"spec": spec, "images": str(path), "max_length": max_length, "batch_size": batch_size,
+               "threads": threads}
+        repo = Path(__file__).resolve().parents[2]
+        proc = subprocess.run([sys.executable, "-m", "pipeline.benchmarking.memory", json.dumps(job)],
+                              cwd=repo, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PipelineError(f"peak memory of {spec.get('kind')} {spec.get('folder') or spec.get('source')}: "
+                            f"the measuring process failed: {last}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

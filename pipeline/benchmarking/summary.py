@@ -1,0 +1,143 @@
+"""The benchmark's table, its Pareto plot, and the run summary (``<artifacts>/summary.md`` and
+``summary.json``): the table, where each package is, and a link to every stage's report."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from matplotlib.ticker import NullFormatter
+
+from pipeline.artifacts import MANIFEST
+from pipeline.reports import markdown_table, plt, savefig
+
+SUMMARY_MD = "summary.md"
+SUMMARY_JSON = "summary.json"
+
+HEADER = ["variant", "exact match", "Δ points", "CER", "n", "identical tokens", "p50 ms", "p95 ms", "images/s (batch 8)",
+          "peak RSS MB", "size MB", "speedup p50", "throughput ratio", "size ratio"]
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def table_rows(variants: Sequence[dict]) -> list[list[str]]:
+    rows = []
+    for v in variants:
+        r = v.get("ratios", {})
+        delta = r.get("exact_match_points_vs_reference")
+        on = f" (n={v['compared_n']})" if v.get("compared_n") not in (None, v["accuracy_n"]) else ""
+        rows.append([v["label"], _f(v["exact_match"], ".3f"), ("–" if delta is None else f"{delta:+.1f}") + on,
+                     _f(v["cer"], ".3f"), v["accuracy_n"],
+                     _f(v.get("identical_tokens"), ".3f") + on, _f(v["latency"]["p50_ms"], ".0f"),
+                     _f(v["latency"]["p95_ms"], ".0f"), _f(v["images_per_s"], ".2f"),
+                     _f(v.get("peak_mb"), ".0f"), _f(v["size_mb"], ".1f"),
+                     _f(r.get("speedup_p50"), ".2f") + ("x" if r.get("speedup_p50") is not None else ""),
+                     _f(r.get("throughput"), ".2f") + ("x" if r.get("throughput") is not None else ""),
+                     _f(r.get("size"), ".2f") + ("x" if r.get("size") is not None else "")])
+    return rows
+
+
+def table(variants: Sequence[dict]) -> str:
+    return markdown_table(HEADER, table_rows(variants))
+
+
+def serving_table(s: dict) -> str:
+    return markdown_table(["variant", "clients x requests", "mean ms", "p50 ms", "p95 ms", "requests/s"], [
+        [s["label"], f"{s['clients']} x {s['requests_per_client']}", f"{s['mean_ms']:.0f}", f"{s['p50_ms']:.0f}",
+         f"{s['p95_ms']:.0f}", f"{s['requests_per_s']:.2f}"]])
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both axes (higher is better on both)."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        if not any((x2 >= x and y2 >= y) and (x2 > x or y2 > y) for j, (x2, y2) in enumerate(points) if j != i):
+            front.append(i)
+    return front
+
+
+def pareto_plot(path: Path, variants: Sequence[dict], title: str) -> None:
+    points = [(v["images_per_s"], v["exact_match"]) for v in variants]
+    front = set(pareto_front(points))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, (v, (x, y)) in enumerate(zip(variants, points)):
+        ax.scatter([x], [y], s=40, color="#ee6677" if i in front else "#4477aa", zorder=3)
+        ax.annotate(f"{v['label']} (n={v['accuracy_n']})", (x, y), textcoords="offset points", xytext=(5, 4),
+                    fontsize=8)
+    ordered = sorted((points[i] for i in front))
+    if len(ordered) > 1:
+        ax.plot([p[0] for p in ordered], [p[1] for p in ordered], color="#ee6677", lw=1, zorder=2)
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor tick labels overlap on a short log axis
+    ax.set_xlabel("images/s at batch 8 (log)")
+    ax.set_ylabel("exact match")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    savefig(fig, path)
+
+
+def stage_reports(root: Path) -> list[dict]:
+    """Every artifact under ``root`` with a manifest: its stage, folder, report (or manifest) and time."""
+    out = []
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")):
+        manifest_path = folder / MANIFEST
+        if not manifest_path.is_file():
+            continue
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, OSError):
+            continue  # a damaged manifest is that stage's problem; the summary lists what it can read
+        report = folder / "report.md"
+        out.append({"stage": manifest.get("stage", folder.name), "folder": folder.name,
+                    "report": f"{folder.name}/{'report.md' if report.is_file() else MANIFEST}",
+                    "seconds": manifest.get("seconds")})
+    return out
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary sibling and one rename: readers see the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Path, Path]:
+    """``<root>/summary.md`` and ``summary.json`` from the benchmark's metrics and every manifest."""
+    root = Path(root)
+    stages = stage_reports(root)
+    rel = os.path.relpath(benchmark_folder, root)
+    packages = [{"label": v["label"], "folder": v["location"], "model": v.get("model"),
+                 "precision": v.get("precision")} for v in metrics["variants"] if v["kind"] == "package"]
+    payload = {"benchmark": rel, "variants": metrics["variants"], "serving": metrics.get("serving"),
+               "packages": packages, "stages": stages, "notes": metrics.get("notes", [])}
+    lines = ["# Run summary", "",
+             f"Benchmark: [{rel}/report.md]({rel}/report.md); ratios against `{metrics['shipped']}` "
+             f"(the shipped model, full-prefix decoder), from one run on this machine; "
+             f"{metrics['threads']} thread(s) per variant.", "", table(metrics["variants"]), ""]
+    if metrics.get("serving"):
+        lines += ["Serving (threads sharing one package's sessions):", "", serving_table(metrics["serving"]), ""]
+    lines += [f"![Pareto]({rel}/pareto.png)", "", "## Packages", ""]
+    lines += [f"- {p['label']}: `{p['folder']}` (model {p['model'] or '?'}, precision "
+              f"{', '.join(f'{g} {q}' for g, q in (p['precision'] or {}).items()) or '?'})" for p in packages] \
+        or ["- none benchmarked"]
+    lines += ["", "## Stage reports", "",
+              markdown_table(["stage", "folder", "report", "seconds"],
+                             [[s["stage"], s["folder"], f"[{s['report']}]({s['report']})",
+                               "" if s["seconds"] is None else f"{s['seconds']:.0f}"] for s in stages]), ""]
+    if metrics.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in metrics["notes"]] + [""]
+    md, js = root / SUMMARY_MD, root / SUMMARY_JSON
+    write_text_atomic(js, json.dumps(payload, indent=2, default=str) + "\n")
+    write_text_atomic(md, "\n".join(lines))
+    return md, js

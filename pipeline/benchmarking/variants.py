@@ -1,0 +1,126 @@
+"""The variants a benchmark compares behind one decode call: the torch model (full-prefix or
+KV-cached decoding) and exported ONNX Runtime packages; where each lives and its size on disk."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from pipeline.adapters.base import DecodeResult, ModelAdapter
+from pipeline.errors import PipelineError
+from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+
+log = logging.getLogger(__name__)
+
+TORCH = "torch"           # the shipped decoder: the whole prefix re-run at each step
+TORCH_KV = "torch_kv"     # the same model with the adapter's KV cache
+PACKAGE = "package"       # an exported package on ONNX Runtime (KV-cached decoder graphs)
+
+# files of a package that a deployment ships (reports, plots and parity rows do not count)
+PACKAGE_SHIPPED = ("tokenizer.json", "preprocess.json", PACKAGE_META, "provider_options.json")
+
+
+@dataclass
+class Variant:
+    label: str
+    kind: str                 # TORCH | TORCH_KV | PACKAGE
+    location: str             # model reference (torch) or package folder
+    size_bytes: int           # what it occupies on disk as shipped
+    decode: Callable[[np.ndarray, int, int], DecodeResult]  # (images [B, C, H, W], max_length, batch size)
+    spec: dict = field(default_factory=dict)  # how a fresh process rebuilds it (peak memory)
+    package: Optional[OnnxPackage] = None
+
+
+def package_folder(ref: str, root: Path) -> Optional[Path]:
+    """An exported package: ``ref`` as a folder, or an export stage's name under ``root``; else None."""
+    for cand in (Path(ref), Path(root) / ref):
+        if (cand / PACKAGE_META).is_file():
+            return cand
+    return None
+
+
+def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: Path) -> tuple[dict[str, Path], list[str]]:
+    """Label -> package folder: every default that exists, then every requested one.
+
+    A requested package that is missing is an error; a missing default is skipped and named in
+    the returned notes (one line each)."""
+    found: dict[str, Path] = {}
+    notes = []
+    for label, ref in defaults.items():
+        if label in requested:
+            continue
+        folder = package_folder(ref, root)
+        if folder is None:
+            notes.append(f"no package {ref!r} under {root}: variant '{label}' skipped")
+        else:
+            found[label] = folder
+    missing = [f"{label}={ref}" for label, ref in requested.items() if package_folder(ref, root) is None]
+    if missing:
+        raise PipelineError(f"benchmark.packages: no exported package (no {PACKAGE_META}) at {', '.join(missing)} "
+                            f"(a folder, or an export stage's name under {root})")
+    for label, ref in requested.items():
+        found[label] = package_folder(ref, root)  # type: ignore[assignment]
+    return found, notes
+
+
+def dir_bytes(paths: list[Path]) -> int:
+    total = 0
+    for p in paths:
+        if p.is_dir():
+            total += sum(q.stat().st_size for q in p.rglob("*") if q.is_file())
+        elif p.is_file():
+            total += p.stat().st_size
+    return total
+
+
+def package_files(folder: Path) -> list[Path]:
+    """The files a package ships: its graphs (with external weights) and its JSON."""
+    import json
+
+    meta = json.loads((folder / PACKAGE_META).read_text())
+    graphs = [folder / g for g in meta["graphs"].values()]
+    data = [folder / f"{g}.data" for g in meta["graphs"].values() if (folder / f"{g}.data").is_file()]
+    return graphs + data + [folder / n for n in PACKAGE_SHIPPED if (folder / n).is_file()]
+
+
+def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, family: str, use_cache: bool,
+                  trust_checkpoint: bool = False) -> Variant:
+    import torch
+
+    if use_cache and adapter.cached_decoder() is None:
+        raise PipelineError(f"model family {family!r} has no KV-cached decoder")
+
+    def decode(images: np.ndarray, max_length: int, batch_size: int) -> DecodeResult:
+        with torch.inference_mode():
+            return adapter.generate(torch.from_numpy(images), max_length=max_length, batch_size=batch_size,
+                                    use_cache=use_cache)
+
+    files = adapter.source_files()
+    size = dir_bytes(files) if files else sum(t.numel() * t.element_size() for t in adapter.model.state_dict().values())
+    spec = {"kind": TORCH_KV if use_cache else TORCH, "family": family, "source": source,
+            "trust_checkpoint": trust_checkpoint}
+    return Variant(label, spec["kind"], ref, size, decode, spec)
+
+
+def package_variant(label: str, folder: Path, threads: int) -> Variant:
+    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
+
+    def decode(images: np.ndarray, max_length: int, batch_size: int) -> DecodeResult:
+        return package.generate(images, max_length=max_length, batch_size=batch_size)
+
+    return Variant(label, PACKAGE, str(folder), dir_bytes(package_files(folder)), decode,
+                   {"kind": PACKAGE, "folder": str(folder)}, package)
+
+
+def rebuild(spec: dict[str, Any], threads: int) -> Callable[[np.ndarray, int, int], DecodeResult]:
+    """The decode call of a variant from its ``spec``, in a fresh process (see :mod:`.memory`)."""
+    if spec["kind"] == PACKAGE:
+        return package_variant("", Path(spec["folder"]), threads).decode
+    from pipeline.adapters.base import load_adapter
+
+    adapter = load_adapter(spec["family"], spec["source"], trust_checkpoint=bool(spec["trust_checkpoint"]))
+    return torch_variant("", adapter, spec["source"], spec["source"], spec["family"],
+                         spec["kind"] == TORCH_KV, bool(spec["trust_checkpoint"])).decode

@@ -1,0 +1,206 @@
+"""Stage benchmark on the tiny model and a package exported from it: the variants it resolves, a
+missing package as one error line, the summary files and their links, the serving test's stats.
+(Ratios are reported, never asserted; the real model runs only under the slow marker.)"""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import make_ctx, run_cli
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+from pipeline.errors import PipelineError
+
+SMALL = ["model.max_length=8", "benchmark.samples=2", "benchmark.memory_images=2", "benchmark.clients=2",
+         "benchmark.requests=2", "benchmark.full_prefix_limit=3", "benchmark.torch_limit=6"]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Artifacts root: the tiny model, 10 formulas, its ORT package as export-ort_cpu (and a copy as
+    the float-original default), so both default packages exist."""
+    from pipeline.stages import export
+
+    root = tmp_path_factory.mktemp("bench")
+    build_tiny().save(root / "tiny-model")
+    (root / "formulas.txt").write_text("\n".join(FORMULAS[:10]) + "\n")
+    ctx = fake_ctx(root, [f"export.model={root / 'tiny-model'}", "export.quantized=none",
+                          f"export.formulas={root / 'formulas.txt'}", "model.max_length=8", "export.parity_images=1",
+                          "export.parity_limit=2", "export.min_identical=0"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    shutil.copytree(root / "export-ort_cpu", root / "other-package")
+    return root
+
+
+def _run(root: Path, *overrides: str) -> dict:
+    from pipeline.stages import benchmark
+
+    ctx = fake_ctx(root, [f"benchmark.model={root / 'tiny-model'}", f"benchmark.formulas={root / 'formulas.txt'}",
+                          *SMALL, *overrides])
+    return benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)
+
+
+@pytest.fixture(scope="module")
+def benched(root) -> dict:
+    return _run(root, f"+benchmark.packages.mine={root / 'other-package'}")
+
+
+def test_variants_resolved_defaults_skipped_and_requested(tmp_path):
+    from pipeline.benchmarking.variants import resolve_packages
+
+    (tmp_path / "export-ort_cpu").mkdir()
+    (tmp_path / "export-ort_cpu" / "package.json").write_text("{}")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "package.json").write_text("{}")
+    defaults = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original"}
+    found, notes = resolve_packages({"mine": str(tmp_path / "elsewhere")}, defaults, tmp_path)
+    assert found == {"deployable": tmp_path / "export-ort_cpu", "mine": tmp_path / "elsewhere"}
+    assert len(notes) == 1 and "export-ort_cpu-float-original" in notes[0] and "skipped" in notes[0]
+    # a label the user names replaces the default of that label
+    found, _ = resolve_packages({"deployable": str(tmp_path / "elsewhere")}, defaults, tmp_path)
+    assert found == {"deployable": tmp_path / "elsewhere"}
+
+
+def test_run_measures_every_variant_on_the_same_images(root, benched):
+    m = benched["metrics"]
+    labels = [v["label"] for v in m["variants"]]
+    assert labels == ["torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine"]
+    kinds = {v["label"]: v["kind"] for v in m["variants"]}
+    assert kinds["deployable"] == kinds["mine"] == "package"
+    by = {v["label"]: v for v in m["variants"]}
+    assert by["torch tiny-model"]["accuracy_n"] == by["torch tiny-model"]["compared_n"] == 3   # full_prefix_limit
+    assert by["torch tiny-model + KV cache"]["accuracy_n"] == 6                                  # torch_limit
+    assert by["deployable"]["accuracy_n"] == m["n_formulas"] == 10
+    assert by["deployable"]["compared_n"] == 6          # compared with the reference where both read
+    assert by["deployable"]["location"] == str(root / "export-ort_cpu")
+    for v in m["variants"]:
+        assert v["latency"]["n"] == 2 and v["latency"]["p50_ms"] <= v["latency"]["p95_ms"] <= v["latency"]["max_ms"]
+        assert v["images_per_s"] > 0 and v["size_mb"] > 0 and v["peak_mb"] >= v["base_mb"] > 0
+        assert 0.0 <= v["identical_tokens"] <= 1.0
+    # the ratios are to the shipped (first) variant, computed from the reported numbers
+    shipped = m["variants"][0]
+    assert shipped["ratios"]["speedup_p50"] == 1.0
+    d = by["deployable"]
+    assert d["ratios"]["speedup_p50"] == pytest.approx(shipped["latency"]["p50_ms"] / d["latency"]["p50_ms"])
+    assert d["ratios"]["size"] == pytest.approx(d["size_mb"] / shipped["size_mb"])
+    assert d["ratios"]["exact_match_points_vs_reference"] == 0.0  # same tokens, same formulas
+    # the KV-cached torch decoder is the reference: identical to itself, and fp32 ORT reads the same tokens
+    assert by["torch tiny-model + KV cache"]["identical_tokens"] == 1.0
+    assert d["identical_tokens"] == 1.0
+    folder = root / "benchmark"
+    for name in ("report.md", "pareto.png", "benchmark.json", "predictions.jsonl", "manifest.json"):
+        assert (folder / name).is_file(), name
+    assert len((folder / "predictions.jsonl").read_text().splitlines()) == 10
+    report = (folder / "report.md").read_text()
+    assert "## Serving" in report and "## Where the time went" in report
+    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "latency", "serving", "peak memory"}
+
+
+def test_summary_files_hold_the_table_and_links_to_every_report(root, benched):
+    md = (root / "summary.md").read_text()
+    payload = json.loads((root / "summary.json").read_text())
+    stages = {s["folder"]: s for s in payload["stages"]}
+    assert {"benchmark", "export-ort_cpu", "other-package"} <= set(stages)
+    assert stages["export-ort_cpu"]["report"] == "export-ort_cpu/report.md"
+    for s in payload["stages"]:
+        assert f"]({s['report']})" in md
+        assert (root / s["report"]).is_file(), s["report"]
+    assert "| deployable |" in md and "![Pareto](benchmark/pareto.png)" in md
+    assert str(root / "export-ort_cpu") in md                          # where the package is
+    assert [p["label"] for p in payload["packages"]] == ["deployable", "mine"]
+    assert payload["serving"]["label"] == "deployable"
+    assert not list(root.glob(".tmp-*"))
+
+
+def test_unchanged_rerun_reuses_and_rewrites_the_summary(root, benched):
+    (root / "summary.md").unlink()
+    again = _run(root, f"+benchmark.packages.mine={root / 'other-package'}")
+    assert again["key"] == benched["key"] and again["seconds"] == benched["seconds"]
+    assert (root / "summary.md").is_file()
+
+
+def test_missing_package_named_is_one_error_line(root, tmp_path):
+    with pytest.raises(PipelineError, match=r"benchmark.packages: no exported package .* at nope="):
+        _run(root, f"+benchmark.packages.nope={tmp_path / 'no-such-package'}", "benchmark.name=bench-missing")
+    assert not (root / "bench-missing").exists()
+    proc = run_cli("stage=benchmark", f"artifacts.dir={tmp_path}", f"+benchmark.packages.nope={tmp_path / 'x'}",
+                   timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: benchmark.packages: no exported package"), proc.stderr
+
+
+def test_serving_returns_its_stats_from_concurrent_clients(root):
+    from pipeline.benchmarking import measure
+    from pipeline.benchmarking.variants import package_variant
+
+    variant = package_variant("deployable", root / "export-ort_cpu", threads=1)
+    threads, lock = set(), threading.Lock()
+
+    def decode(images, max_length, batch_size):
+        with lock:
+            threads.add(threading.get_ident())
+        assert images.shape[0] == batch_size == 1
+        return variant.decode(images, max_length, batch_size)
+
+    images = np.random.default_rng(0).random((3, 1, 32, 64)).astype(np.float32)
+    stats = measure.serve(decode, images, max_length=8, clients=3, requests=4)
+    assert stats["clients"] == 3 and stats["requests_per_client"] == 4 and stats["n"] == 12
+    assert 0 < stats["p50_ms"] <= stats["p95_ms"] <= stats["max_ms"]
+    assert stats["mean_ms"] > 0 and stats["requests_per_s"] > 0
+    assert len(threads) > 1  # requests really came from several client threads
+    with pytest.raises(PipelineError, match="clients >= 1"):
+        measure.serve(decode, images, 8, clients=0)
+
+
+def test_pareto_front():
+    from pipeline.benchmarking.summary import pareto_front
+
+    assert pareto_front([(1, 0.5), (10, 0.5), (5, 0.6), (2, 0.4)]) == [1, 2]
+
+
+def test_stage_all_ends_with_the_benchmark():
+    from pipeline.stages import ORDER
+
+    assert ORDER[-1] == "benchmark" and ORDER.index("export") < ORDER.index("benchmark")
+
+
+@pytest.mark.slow
+def test_real_model_against_its_exported_package():
+    """The shipped model vs its ORT package on 2 formulas (export_session's package)."""
+    from export_session import MAX_LENGTH, artifacts_root, ort_package
+    from pipeline.stages import benchmark
+
+    pkg = ort_package()
+    root = artifacts_root()
+    ctx = make_ctx(root, [f"+benchmark.packages.exported={pkg}", "benchmark.default_packages=false",
+                          f"benchmark.formulas={root / 'formulas.txt'}", "benchmark.samples=1", "benchmark.warmup=0",
+                          "benchmark.full_prefix_limit=2", "benchmark.memory=false", "benchmark.clients=2",
+                          "benchmark.requests=1", "benchmark.name=benchmark-real", f"model.max_length={MAX_LENGTH}"])
+    m = benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)["metrics"]
+    by = {v["label"]: v for v in m["variants"]}
+    assert set(by) == {"torch original", "torch original + KV cache", "exported"}
+    for v in by.values():  # the shipped model reads both formulas right, and so does every variant
+        assert v["exact_match"] == 1.0 and v["identical_tokens"] == 1.0 and v["accuracy_n"] == 2
+    assert m["serving"]["n"] == 2 and by["exported"]["peak_mb"] is None
+    assert (root / "summary.md").is_file()
+
+
+def test_evaluate_stage_reading_of_the_shipped_model_is_noted_for_the_same_cap(tmp_path):
+    from pipeline.stages.benchmark import _evaluate_note
+
+    (tmp_path / "evaluate").mkdir()
+    manifest = {"key": "k1", "config": {"model": "original", "max_length": 160},
+                "metrics": {"source": "corpus split 'eval'", "n": 574, "kv_cache": True, "exact_match": 0.549,
+                            "cer": 0.268}}
+    (tmp_path / "evaluate" / "manifest.json").write_text(json.dumps(manifest))
+    ctx = make_ctx(tmp_path)
+    key, line = _evaluate_note(ctx, "original", 160)
+    assert key == "k1" and "n=574" in line and "exact match 0.549" in line and "KV-cached" in line
+    assert _evaluate_note(ctx, "original", 64) is None          # another cap: not comparable
+    assert _evaluate_note(ctx, "prune", 160) is None            # another model
