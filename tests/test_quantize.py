@@ -283,3 +283,12 @@ def test_ort_cpu_int8_decoders_are_handed_to_the_ort_cpu_package_only(root, sear
     assert ort_meta["precision"]["decoder_step"] == "int8 dynamic"
     trt_meta = json.loads((root / "dec-tensorrt" / "package.json").read_text())
     assert trt_meta["precision"]["decoder_step"] == "fp32"
+
+
+def test_the_chain_hands_prune_model_to_quantize(tmp_path):
+    ctx = fake_ctx(tmp_path)
+    assert ctx.chain_model("auto") == "original"  # nothing upstream yet
+    build_tiny().save(tmp_path / "prune" / "model")
+    assert ctx.chain_model("auto") == "prune"
+    assert ctx.chain_model("original") == "original"  # an explicit reference wins
+    assert ctx.model_folder(ctx.chain_model("auto")) == tmp_path / "prune" / "model"

@@ -57,6 +57,7 @@ class ExportConfig:
     trt_build: bool = True               # build engines where tensorrt imports
     targets: list[str] = field(default_factory=list)  # several packages in one run (stage=all: every target);
                                          # empty = the `target` group
+    float_baseline: bool = False         # also the float ort_cpu package of the original (stage=all: on)
 
 
 Config = ExportConfig
@@ -125,18 +126,27 @@ def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
     return items
 
 
+FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
+
+
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
-    """One package for the ``target`` group, or one per name in ``export.targets``."""
-    if not cfg.targets:
-        return _run_one(cfg, ctx, ctx.cfg.target)
+    """One package for the ``target`` group, or one per name in ``export.targets``; with
+    ``export.float_baseline`` also the float ort_cpu package of the original model."""
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
-    manifests = {}
-    for name in cfg.targets:
-        one = replace(cfg, targets=[], name=f"{cfg.name}-{name}" if cfg.name else None)
-        manifests[name] = _run_one(one, ctx, target_config(name))
-    return manifests
+    if not cfg.targets:
+        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, float_baseline=False), ctx, ctx.cfg.target)}
+    else:
+        manifests = {}
+        for name in cfg.targets:
+            one = replace(cfg, targets=[], float_baseline=False, name=f"{cfg.name}-{name}" if cfg.name else None)
+            manifests[name] = _run_one(one, ctx, target_config(name))
+    if cfg.float_baseline:
+        baseline = replace(cfg, model="original", quantized="none", qdq_encoder=None, name=FLOAT_BASELINE,
+                           targets=[], float_baseline=False)
+        manifests[FLOAT_BASELINE] = _run_one(baseline, ctx, target_config("ort_cpu"))
+    return manifests if len(manifests) > 1 else next(iter(manifests.values()))
 
 
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
