@@ -1,0 +1,116 @@
+"""Greedy decoding of an exported package with numpy and onnxruntime alone (no torch, no ``pipeline``).
+
+It runs in the ONNX Runtime 1.12.1 venv of ``tests/macart_env.py`` (MacaRT forks ORT 1.12), so it
+must stay importable on Python 3.10 with numpy 1.26. It decodes exactly as
+``pipeline.export.runtime.OnnxPackage._greedy`` does: ``decoder_first(BOS, memory)``, then one
+``decoder_step`` per token with the present K/V fed back as past, pad and BOS banned, finished rows
+leave the batch, the cap counts BOS.
+
+    python macart_decode.py PACKAGE IMAGES.npy OUT.json [--max-length N] [--batch-size B] [--threads T]
+
+IMAGES.npy holds preprocessed images, float32 [N, C, H, W]. OUT.json gets
+``{"onnxruntime": version, "provider": ..., "max_length": N, "sequences": [[token ids], ...]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+PROVIDER = "CPUExecutionProvider"
+
+
+class Package:
+    """The three graphs of a package folder and the decoding facts of its ``package.json``."""
+
+    def __init__(self, folder: Path, threads: int = 0):
+        self.meta = json.loads((folder / "package.json").read_text())
+        so = ort.SessionOptions()
+        if threads:
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self.sessions = {g: ort.InferenceSession(str(folder / self.meta["graphs"][g]), so, providers=[PROVIDER])
+                         for g in ("encoder", "decoder_first", "decoder_step")}
+        self.io = self.meta["io"]
+        self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
+        self.banned = [int(i) for i in self.meta["banned_token_ids"]]
+        self.num_layers = int(self.meta["num_layers"])
+
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        io = self.io["encoder"]
+        return self.sessions["encoder"].run([io["outputs"][0]], {io["inputs"][0]: images.astype(np.float32)})[0]
+
+    def first(self, input_ids: np.ndarray, memory: np.ndarray):
+        names = self.io["decoder_first"]["inputs"]
+        outs = self.sessions["decoder_first"].run(None, dict(zip(names, [input_ids.astype(np.int64), memory])))
+        n = 2 * self.num_layers
+        return outs[0], outs[1:1 + n], outs[1 + n:]
+
+    def step(self, input_ids: np.ndarray, past: list, cross: list):
+        names = self.io["decoder_step"]["inputs"]
+        outs = self.sessions["decoder_step"].run(None, dict(zip(names, [input_ids.astype(np.int64), *past, *cross])))
+        return outs[0], outs[1:]
+
+    def greedy(self, memory: np.ndarray, max_length: int) -> list:
+        """``OnnxPackage._greedy``, line for line."""
+        n = memory.shape[0]
+        out = [None] * n
+        seqs = [[] for _ in range(n)]
+        active = np.arange(n)
+        if max_length < 2:
+            return [[] for _ in range(n)]
+        logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
+        for t in range(max_length - 1):
+            logits = logits.astype(np.float32, copy=True)
+            logits[:, self.banned] = -np.inf
+            nxt = logits.argmax(-1)
+            for row, tok in enumerate(nxt.tolist()):
+                seqs[active[row]].append(int(tok))
+            done = nxt == self.eos
+            if done.any():
+                for row in np.flatnonzero(done):
+                    out[active[row]] = seqs[active[row]]
+                keep = ~done
+                active, nxt = active[keep], nxt[keep]
+                if active.size == 0:
+                    break
+                past = [p[keep] for p in past]
+                cross = [c[keep] for c in cross]
+            if t == max_length - 2:
+                break
+            logits, past = self.step(nxt[:, None], past, cross)
+        for idx in active.tolist():  # stopped by the cap
+            out[idx] = seqs[idx]
+        return [o if o is not None else [] for o in out]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("package", type=Path)
+    ap.add_argument("images", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--max-length", type=int, default=None, help="cap incl. BOS; default: the package's")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not (args.package / "package.json").is_file():
+        print(f"error: not an exported package (no package.json): {args.package}", file=sys.stderr)
+        return 2
+    pkg = Package(args.package, args.threads)
+    images = np.load(args.images)
+    max_length = int(args.max_length or pkg.meta["max_length"])
+    sequences = []
+    for start in range(0, images.shape[0], args.batch_size):
+        sequences += pkg.greedy(pkg.encode(images[start:start + args.batch_size]), max_length)
+    args.out.write_text(json.dumps({"onnxruntime": ort.__version__, "numpy": np.__version__, "provider": PROVIDER,
+                                    "max_length": max_length, "sequences": sequences}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
