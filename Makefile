@@ -25,4 +25,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-macart
