@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
+from pipeline import files
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
 from pipeline.reports import markdown_table, plt, savefig
@@ -42,27 +43,17 @@ class BenchmarkConfig:
 Config = BenchmarkConfig
 
 
-def _package_folder(ref: str, ctx: StageContext) -> Path:
-    for cand in (Path(ref), ctx.artifacts_dir / ref):
-        if (cand / PACKAGE_META).is_file():
-            return cand
-    raise PipelineError(f"benchmark.package={ref}: no exported package there (run stage=export first)")
-
-
 def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
     if cfg.formulas:
         path = Path(cfg.formulas)
-        if not path.is_file():
-            raise PipelineError(f"benchmark.formulas: no such file {path}")
-        return [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()], \
-            {"formulas": file_hash(path)}
+        return [ln for _, ln in files.read_formulas(path, "benchmark.formulas")], {"formulas": file_hash(path)}
     return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     if cfg.samples < 1:
         raise PipelineError(f"benchmark.samples must be >= 1, got {cfg.samples}")
-    folder = _package_folder(cfg.package, ctx)
+    folder = files.find_package(cfg.package, ctx.artifacts_dir, "benchmark.package")
     max_length = int(ctx.cfg.model.max_length)
     adapter = ctx.load_model(cfg.model)
     formulas, inputs = _formulas(cfg, ctx)
