@@ -11,13 +11,25 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from pipeline.errors import ConfigError
 from pipeline.stages import STAGES
+
+
+def check_range(key: str, value, low=None, high=None, why: str = "") -> None:
+    """Refuse a number outside [low, high] naming the key (``model.batch_size=0: must be >= 1``)."""
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise ConfigError(f"{key}={value}: must be {bound}{f' ({why})' if why else ''}")
 
 
 @dataclass
 class ArtifactsConfig:
     dir: str = "artifacts"   # root of every stage's output folder
     force: bool = False      # rerun a stage even when its inputs and config are unchanged
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("artifacts.dir is empty; give a folder")
 
 
 @dataclass
@@ -27,6 +39,12 @@ class ModelConfig:
     max_length: int = 160             # decode cap, BOS included; the same for every variant compared
     batch_size: int = 16              # images per decode batch
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        # the model's own ceiling (its position table) is checked when the model is loaded
+        check_range("model.max_length", self.max_length, 2, why="BOS plus at least one token")
+        check_range("model.batch_size", self.batch_size, 1)
+        check_range("model.threads", self.threads, 0, why="0 = torch's default")
 
 
 @dataclass
