@@ -9,14 +9,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
-
-import hydra
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, NoReturn
 
 from pipeline import interrupts
-from pipeline.config import register_configs
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("pipeline")
@@ -28,6 +27,8 @@ def fail(message: str) -> NoReturn:
 
 
 def run_stages(cfg: DictConfig) -> dict:
+    from omegaconf import OmegaConf
+
     from pipeline.context import StageContext
     from pipeline.stages import ORDER, STAGES
 
@@ -56,6 +57,8 @@ def run_stages(cfg: DictConfig) -> dict:
 def check_config(cfg: DictConfig) -> None:
     """Checks that need more than one field's dataclass (``__post_init__`` covers the numbers):
     artifact names are single folder names, the artifacts root can be a folder."""
+    from omegaconf import OmegaConf
+
     from pipeline.files import check_name, check_output_dir
     from pipeline.stages import STAGES
 
@@ -100,6 +103,7 @@ def _prevalidate(overrides: list[str]) -> None:
     """Compose the config once before Hydra runs, so a mistake is one line and exit code 2."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
     plain = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     try:
@@ -121,6 +125,19 @@ def _prevalidate(overrides: list[str]) -> None:
 
 
 def main() -> None:
+    # first, before the heavy imports: a Ctrl-C or SIGTERM during start-up is one line too
+    interrupts.install()
+    try:
+        _main()
+    except KeyboardInterrupt:
+        fail("interrupted; previous artifacts left as they were")
+
+
+def _main() -> None:
+    import hydra
+
+    from pipeline.config import register_configs
+
     register_configs()
     args = sys.argv[1:]
     multirun = any(a in ("-m", "--multirun") for a in args)
