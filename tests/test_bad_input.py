@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -238,11 +239,27 @@ def test_non_utf8_formulas_files_are_one_line_naming_the_key_and_the_line(work, 
     (lambda m: json.dumps({k: v for k, v in m.items() if k != "num_layers"}), ["'num_layers' is missing"]),
 ])
 def test_a_broken_package_json_names_the_field(work, tmp_path, edit, needles):
+    from pipeline.errors import SchemaError
+    from pipeline.export.runtime import OnnxPackage
+
     pkg = copy_package(work, tmp_path / "pkg")
     meta = json.loads((pkg / "package.json").read_text())
     (pkg / "package.json").write_text(edit(meta))
+    with pytest.raises(SchemaError) as err:
+        OnnxPackage(pkg)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_a_broken_package_is_one_line_through_the_cli(work, tmp_path):
+    pkg = copy_package(work, tmp_path / "pkg")
+    (pkg / "package.json").write_text('{"graphs": ')
     one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
-              *needles)
+              f"package.json in {pkg}: not JSON")
+    (pkg / "package.json").write_text(json.dumps({**json.loads((work / "art" / "export-ort_cpu" / "package.json")
+                                                               .read_text()), "bos_id": "one"}))
+    (pkg / "tokenizer.json").write_text("garbage")
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
+              "'bos_id' must be an integer")
 
 
 @pytest.mark.parametrize("content, needles", [
@@ -252,10 +269,14 @@ def test_a_broken_package_json_names_the_field(work, tmp_path, edit, needles):
      ["'specials' names tokens not in 'token_to_id'", "unk='?'"]),
 ])
 def test_a_broken_package_tokenizer_names_the_field(work, tmp_path, content, needles):
+    from pipeline.errors import SchemaError
+    from pipeline.export.runtime import OnnxPackage
+
     pkg = copy_package(work, tmp_path / "pkg")
     (pkg / "tokenizer.json").write_bytes(content)
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
-              *needles)
+    with pytest.raises(SchemaError) as err:
+        OnnxPackage(pkg)
+    assert all(n in str(err.value) for n in needles), str(err.value)
 
 
 def _model_copy(work: Path, dest: Path, edit=None, drop: str | None = None) -> Path:
@@ -285,8 +306,16 @@ def test_a_broken_model_folder_names_the_field(work, tmp_path, case, needles):
     model = _model_copy(work, tmp_path / "m", edits.get(case), "tokenizer.json" if case == "no_tokenizer" else None)
     if case == "garbage_tokenizer":
         (model / "tokenizer.json").write_text("{ nope")
-    one_error(run_cli("stage=evaluate", f"eval.model={model}", f"eval.formulas={work / 'formulas.txt'}",
-                      "model.max_length=16", f"artifacts.dir={tmp_path / 'a'}"), *needles)
+    if case == "no_tokenizer":  # one case through the CLI: the stage loads the model and says one line
+        one_error(run_cli("stage=evaluate", f"eval.model={model}", f"eval.formulas={work / 'formulas.txt'}",
+                          "model.max_length=16", f"artifacts.dir={tmp_path / 'a'}"), *needles)
+        return
+    from pipeline.adapters import load_adapter
+    from pipeline.errors import SchemaError
+
+    with pytest.raises(SchemaError) as err:
+        load_adapter("latex_ocr_junia", str(model))
+    assert all(n in str(err.value) for n in needles), str(err.value)
 
 
 # ---- 3. hostile images ---------------------------------------------------------------------------
@@ -328,7 +357,18 @@ def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bom
     ("model.threads=-1", "model.threads=-1: must be >= 0"),
 ])
 def test_numbers_out_of_range_are_refused_at_config_time(tmp_path, override, needle):
-    one_error(run_cli("stage=evaluate", override, f"artifacts.dir={tmp_path / 'a'}"), "error: config:", needle)
+    from omegaconf import OmegaConf
+
+    from conftest import compose_cfg
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        OmegaConf.to_object(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
+
+
+def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
+    one_error(run_cli("stage=evaluate", "model.batch_size=0", f"artifacts.dir={tmp_path / 'a'}"),
+              "error: config: model.batch_size=0: must be >= 1")
     assert not (tmp_path / "a").exists()
 
 
@@ -347,8 +387,18 @@ def test_a_cap_above_the_models_position_table_is_refused_with_its_limit(work, t
 @pytest.mark.parametrize("override", ["eval.name=../escape", "eval.name=.", "eval.name=..", "export.name=a/b",
                                       "eval.name="])
 def test_names_are_one_folder_name(tmp_path, override):
+    from conftest import compose_cfg
+    from pipeline.__main__ import check_config
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a name must be one folder name"):
+        check_config(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
+
+
+def test_a_name_outside_the_root_is_one_line_and_writes_nothing(tmp_path):
     art = tmp_path / "inside" / "a"
-    one_error(run_cli("stage=evaluate", override, f"artifacts.dir={art}"), "a name must be one folder name")
+    one_error(run_cli("stage=evaluate", "eval.name=../escape", f"artifacts.dir={art}"),
+              "eval.name='../escape': a name must be one folder name")
     assert not (tmp_path / "inside").exists() and not (tmp_path / "escape").exists()
 
 
