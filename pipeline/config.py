@@ -11,15 +11,8 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, check_range
 from pipeline.stages import STAGES
-
-
-def check_range(key: str, value, low=None, high=None, why: str = "") -> None:
-    """Refuse a number outside [low, high] naming the key (``model.batch_size=0: must be >= 1``)."""
-    if (low is not None and value < low) or (high is not None and value > high):
-        bound = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
-        raise ConfigError(f"{key}={value}: must be {bound}{f' ({why})' if why else ''}")
 
 
 @dataclass

@@ -17,6 +17,13 @@ class InputError(PipelineError):
     """A file or folder the user gave is missing, unreadable or malformed (a non-UTF-8 formulas file)."""
 
 
+def check_range(key: str, value, low=None, high=None, why: str = "") -> None:
+    """Refuse a number outside [low, high] naming the key (``model.batch_size=0: must be >= 1``)."""
+    if (low is not None and value < low) or (high is not None and value > high):
+        bound = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise ConfigError(f"{key}={value}: must be {bound}{f' ({why})' if why else ''}")
+
+
 class ImageError(InputError):
     """An image that cannot be decoded or is refused (a decompression bomb)."""
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 from pipeline import files
 from pipeline.context import StageContext, check_max_length
-from pipeline.errors import ConfigError, ImageError, InputError
+from pipeline.errors import ConfigError, ImageError, InputError, check_range
 from pipeline.export.runtime import OnnxPackage
 
 NAME = "infer"
@@ -25,6 +25,12 @@ class InferConfig:
     batch_size: int = 8
     threads: int = 0                   # ONNX Runtime intra-op threads; 0 = its default
     output: Optional[str] = None       # also write "<file>\t<latex>" lines here
+
+    def __post_init__(self) -> None:  # the package's own ceiling is checked when it is loaded
+        if self.max_length is not None:
+            check_range("infer.max_length", self.max_length, 2, why="BOS plus at least one token")
+        check_range("infer.batch_size", self.batch_size, 1)
+        check_range("infer.threads", self.threads, 0, why="0 = ONNX Runtime's default")
 
 
 Config = InferConfig
@@ -44,12 +50,6 @@ def image_paths(ref: Optional[str]) -> list[Path]:
 def run(cfg: InferConfig, ctx: StageContext) -> dict:
     folder = files.find_package(ctx.cfg.package, ctx.artifacts_dir, "package")
     paths = image_paths(ctx.cfg.image)
-    if cfg.batch_size < 1:
-        raise ConfigError(f"infer.batch_size must be >= 1, got {cfg.batch_size}")
-    if cfg.max_length is not None and cfg.max_length < 2:
-        raise ConfigError(f"infer.max_length must be >= 2, got {cfg.max_length}")
-    if cfg.threads < 0:
-        raise ConfigError(f"infer.threads must be >= 0 (0 = ONNX Runtime's default), got {cfg.threads}")
     if cfg.output:  # before the work, not after it
         files.check_output_file(cfg.output, "infer.output")
     package = OnnxPackage(folder, threads=cfg.threads)
