@@ -349,13 +349,9 @@ class HFDiskSource(Source):
             img = value
         elif isinstance(value, dict) and (value.get("bytes") or value.get("path")):
             src = io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]
-            with Image.open(src) as im:
-                im.load()
-                img = im.copy()
+            img = files.decode_image(src, "this row's image")
         elif isinstance(value, (bytes, bytearray)):
-            with Image.open(io.BytesIO(value)) as im:
-                im.load()
-                img = im.copy()
+            img = files.decode_image(io.BytesIO(value), "this row's image")
         elif value is not None and np.asarray(value).ndim in (2, 3) and np.asarray(value).size:
             img = Image.fromarray(np.asarray(value))
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
 
 from PIL import Image, UnidentifiedImageError
 
@@ -93,29 +93,35 @@ def open_image(path: str | Path) -> Image.Image:
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise ImageError(f"{path.name}: unsupported file type {path.suffix or '(no suffix)'!r}; "
                          f"reads {' '.join(IMAGE_SUFFIXES)}")
+    return decode_image(path, path.name)
+
+
+def decode_image(src: str | Path | BinaryIO, name: str) -> Image.Image:
+    """:func:`open_image` for a path of any suffix or an in-memory file (dataset rows): the same guard."""
+
     def too_big(size: str) -> ImageError:
-        return ImageError(f"{path.name}: {size} is above the {MAX_IMAGE_PIXELS:,}-pixel limit for a formula "
+        return ImageError(f"{name}: {size} is above the {MAX_IMAGE_PIXELS:,}-pixel limit for a formula "
                           f"image (a decompression bomb?); crop or downscale it")
 
     try:
-        with Image.open(path) as im:  # reads the header only
+        with Image.open(src) as im:  # reads the header only
             w, h = im.size
             if w * h > MAX_IMAGE_PIXELS:
                 raise too_big(f"{w}x{h} pixels")
             if w == 0 or h == 0:
-                raise ImageError(f"{path.name}: image has zero size")
+                raise ImageError(f"{name}: image has zero size")
             im.load()
             return im.copy()
     except ImageError:
         raise
     except FileNotFoundError:
-        raise ImageError(f"{path.name}: no such file") from None
+        raise ImageError(f"{name}: no such file") from None
     except Image.DecompressionBombError as exc:  # PIL's own guard fires in open() above twice its limit
         pixels = re.search(r"\((\d+) pixels\)", str(exc))
         raise too_big(f"{int(pixels.group(1)):,} pixels" if pixels else "the image") from None
     except DECODE_ERRORS as exc:
         msg = str(exc).splitlines()[0] if str(exc) else ""
-        raise ImageError(f"{path.name}: cannot decode ({type(exc).__name__}{': ' + msg[:120] if msg else ''})") from None
+        raise ImageError(f"{name}: cannot decode ({type(exc).__name__}{': ' + msg[:120] if msg else ''})") from None
 
 
 def check_name(value: Optional[str], key: str) -> None:
