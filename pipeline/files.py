@@ -35,6 +35,8 @@ def _utf8_error(key: str, path: Path, exc: UnicodeDecodeError, data: bytes) -> I
 def read_text(path: str | Path, key: str) -> str:
     """A whole UTF-8 text file (a BOM is dropped); a missing or non-UTF-8 file is one :class:`InputError`."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{key}: {path} is a folder; give a file")
     if not path.is_file():
         raise InputError(f"{key}: no such file {path}")
     try:
