@@ -77,9 +77,12 @@ def _task(cfg: DictConfig) -> None:
         run_stages(cfg)
         interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
     except PipelineError as exc:
+        interrupts.finished()
         fail(str(exc))
     except KeyboardInterrupt:
+        interrupts.finished()
         fail("interrupted; previous artifacts left as they were")
+    interrupts.finished()  # published: a signal from now on has nothing left to stop
 
 
 def _first_line(exc: BaseException) -> str:
@@ -130,7 +133,10 @@ def main() -> None:
     try:
         _main()
     except KeyboardInterrupt:
+        interrupts.finished()
         fail("interrupted; previous artifacts left as they were")
+    finally:
+        interrupts.finished()
 
 
 def _main() -> None:

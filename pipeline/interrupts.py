@@ -34,6 +34,16 @@ def install() -> bool:
     return True
 
 
+def finished() -> None:
+    """The run is over (published or failed): a later signal ends the process by the system's default
+    action, silently, instead of raising inside interpreter shutdown (atexit callbacks print tracebacks)."""
+    try:
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
+
+
 def received() -> bool:
     return bool(_received)
 
