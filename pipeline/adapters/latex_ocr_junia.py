@@ -20,10 +20,10 @@ from PIL import Image
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from pipeline import schema
 from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
 from pipeline.adapters.base import ModelAdapter, register_adapter
 from pipeline.data.render import INK_THRESHOLD, crop_to_ink
-from pipeline import schema
 from pipeline.errors import PipelineError, SchemaError
 from pipeline.schema import load_char_tokenizer, load_json
 

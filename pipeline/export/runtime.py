@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline.adapters.base import DecodeResult
 from pipeline import schema
+from pipeline.adapters.base import DecodeResult
 from pipeline.errors import PipelineError
 from pipeline.schema import load_json
 

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
-from pipeline import files
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
 from pipeline.reports import markdown_table, plt, savefig

@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
+from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
-from pipeline import files
 from pipeline.errors import ImageError, PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items, latency_batch1
 from pipeline.reports import bar_plot, markdown_table
