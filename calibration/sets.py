@@ -28,8 +28,8 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from pipeline.data.render import INK_THRESHOLD, RenderError, render_formula
 from pipeline import files
+from pipeline.data.render import INK_THRESHOLD, RenderError, render_formula
 from pipeline.errors import ImageError, PipelineError
 from pipeline.files import DECODE_ERRORS as FILE_DECODE_ERRORS
 from pipeline.metrics import normalize
