@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import multiprocessing
 import os
 import re
 import zlib
@@ -26,18 +25,19 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
+from pipeline import files
 from pipeline.data.render import INK_THRESHOLD, RenderError, render_formula
-from pipeline.errors import PipelineError
+from pipeline.errors import ImageError, PipelineError
+from pipeline.files import DECODE_ERRORS as FILE_DECODE_ERRORS
 from pipeline.metrics import normalize
+from pipeline.pools import process_pool
 
 MIN_SIZE, MAX_SIZE = 32, 4096
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff"}
-# Errors PIL raises for files it cannot decode (truncated, corrupt, not an image, a bomb).
-DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, IndexError,
-                 Image.DecompressionBombError)
+# one suffix list and one set of decode errors for every stage (pipeline/files.py)
+DECODE_ERRORS = FILE_DECODE_ERRORS + (ImageError,)
 
 # Bucket edges: a value v falls in [edges[i], edges[i+1]); the last bin is open.
 LENGTH_EDGES = (0, 10, 20, 40, 80)            # normalized characters
@@ -177,9 +177,7 @@ def render_many(latexes: Sequence[str], workers: int = 0, progress: bool = True,
         bar.update()
 
     if workers > 1 and len(latexes) >= min_parallel:
-        methods = multiprocessing.get_all_start_methods()
-        mp = multiprocessing.get_context("fork" if "fork" in methods else None)
-        with mp.Pool(workers) as pool:
+        with process_pool(workers) as pool:
             for ok, payload in pool.imap(_render_png, latexes, chunksize=8):
                 keep(ok, payload)
     else:
@@ -225,6 +223,8 @@ class Source:
 
 
 def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ImageError):  # already says what and why
+        return str(exc)[:160]
     msg = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {msg}"[:160] if msg else type(exc).__name__
 
@@ -254,21 +254,7 @@ class CorpusSource(Source):
 
 
 def read_labels(path: Path) -> dict[str, str]:
-    if not path.is_file():
-        raise PipelineError(f"labels file not found: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise PipelineError(f"labels file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    labels = {}
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if "\t" not in line:
-            raise PipelineError(f"{path}:{i}: expected '<file>\\t<latex>'")
-        name, latex = line.split("\t", 1)
-        labels[name.strip()] = latex.strip()
-    return labels
+    return dict(files.read_labels(path, "data.labels"))
 
 
 class ImageFolderSource(Source):
@@ -292,14 +278,7 @@ class ImageFolderSource(Source):
             (f", labels {self.labels_path})" if self.labels_path else ", unlabelled)")
 
     def _open(self, path: Path) -> Image.Image:
-        if path.suffix.lower() not in IMAGE_SUFFIXES:
-            raise UnidentifiedImageError(f"unsupported file type {path.suffix or '(no suffix)'!r}; "
-                                         f"reads {' '.join(sorted(IMAGE_SUFFIXES))}")
-        with Image.open(path) as im:
-            im.load()
-            if im.width == 0 or im.height == 0:
-                raise ValueError("image has zero size")
-            return im.copy()
+        return files.open_image(path)
 
     def scan(self, preprocess: Preprocess, progress: bool) -> SourceScan:
         labelled = bool(self.labels)
@@ -370,13 +349,9 @@ class HFDiskSource(Source):
             img = value
         elif isinstance(value, dict) and (value.get("bytes") or value.get("path")):
             src = io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]
-            with Image.open(src) as im:
-                im.load()
-                img = im.copy()
+            img = files.decode_image(src, "this row's image")
         elif isinstance(value, (bytes, bytearray)):
-            with Image.open(io.BytesIO(value)) as im:
-                im.load()
-                img = im.copy()
+            img = files.decode_image(io.BytesIO(value), "this row's image")
         elif value is not None and np.asarray(value).ndim in (2, 3) and np.asarray(value).size:
             img = Image.fromarray(np.asarray(value))
         else:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from pipeline.config import register_configs
+from pipeline import interrupts
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("pipeline")
@@ -28,16 +27,19 @@ def fail(message: str) -> NoReturn:
 
 
 def run_stages(cfg: DictConfig) -> dict:
+    from omegaconf import OmegaConf
+
     from pipeline.context import StageContext
     from pipeline.stages import ORDER, STAGES
 
+    if cfg.stage not in STAGES and cfg.stage != "all":
+        raise PipelineError(f"unknown stage {cfg.stage!r}; known: {', '.join(['all', *STAGES])}")
+    check_config(cfg)
     if cfg.model.threads:
         import torch
         torch.set_num_threads(int(cfg.model.threads))
     ctx = StageContext(cfg)
     names = list(ORDER) if cfg.stage == "all" else [cfg.stage]
-    if cfg.stage not in STAGES and cfg.stage != "all":
-        raise PipelineError(f"unknown stage {cfg.stage!r}; known: {', '.join(['all', *STAGES])}")
     results = {}
     for name in names:
         spec = STAGES[name]
@@ -52,21 +54,35 @@ def run_stages(cfg: DictConfig) -> dict:
     return results
 
 
-def _interrupt(signum, frame) -> NoReturn:
-    raise KeyboardInterrupt
+def check_config(cfg: DictConfig) -> None:
+    """Checks that need more than one field's dataclass (``__post_init__`` covers the numbers):
+    artifact names are single folder names, the artifacts root can be a folder."""
+    from omegaconf import OmegaConf
+
+    from pipeline.files import check_name, check_output_dir
+    from pipeline.stages import STAGES
+
+    OmegaConf.to_object(cfg.model)  # ModelConfig.__post_init__: also on multirun jobs
+    for spec in STAGES.values():
+        section = cfg.get(spec.config_key) if spec.config_key else None
+        if section is not None and "name" in section:
+            check_name(section.name, f"{spec.config_key}.name")
+    check_output_dir(cfg.artifacts.dir, "artifacts.dir")
 
 
 def _task(cfg: DictConfig) -> None:
-    try:  # a kill (SIGTERM: a scheduler, a timeout) unwinds like Ctrl-C, so temporary outputs are removed
-        signal.signal(signal.SIGTERM, _interrupt)
-    except ValueError:  # not the main thread of this process: leave the handler alone
-        pass
+    """The one place an expected failure becomes ``error: <message>`` and exit code 2."""
+    interrupts.install()  # a kill (SIGTERM: a scheduler, a timeout) unwinds like Ctrl-C
     try:
         run_stages(cfg)
+        interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
     except PipelineError as exc:
+        interrupts.finished()
         fail(str(exc))
     except KeyboardInterrupt:
+        interrupts.finished()
         fail("interrupted; previous artifacts left as they were")
+    interrupts.finished()  # published: a signal from now on has nothing left to stop
 
 
 def _first_line(exc: BaseException) -> str:
@@ -90,13 +106,19 @@ def _prevalidate(overrides: list[str]) -> None:
     """Compose the config once before Hydra runs, so a mistake is one line and exit code 2."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
 
     plain = [o for o in overrides if not o.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
             cfg = compose(config_name="config", overrides=plain)
             OmegaConf.to_object(cfg)  # type-checks every structured node
+            check_config(cfg)
+    except PipelineError as exc:  # a dataclass's __post_init__ (ModelConfig ...): already one line
+        fail(f"config: {exc}")
     except Exception as exc:  # hydra/omegaconf raise many types; all are config errors here
+        if isinstance(exc.__cause__, PipelineError):
+            fail(f"config: {exc.__cause__}")
         fail(f"config: {_first_line(exc)}")
     finally:
         GlobalHydra.instance().clear()
@@ -106,6 +128,22 @@ def _prevalidate(overrides: list[str]) -> None:
 
 
 def main() -> None:
+    # first, before the heavy imports: a Ctrl-C or SIGTERM during start-up is one line too
+    interrupts.install()
+    try:
+        _main()
+    except KeyboardInterrupt:
+        interrupts.finished()
+        fail("interrupted; previous artifacts left as they were")
+    finally:
+        interrupts.finished()
+
+
+def _main() -> None:
+    import hydra
+
+    from pipeline.config import register_configs
+
     register_configs()
     args = sys.argv[1:]
     multirun = any(a in ("-m", "--multirun") for a in args)

@@ -8,6 +8,7 @@ the sha256 of every output file, library versions and metrics.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -15,12 +16,14 @@ import platform
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.errors import PipelineError
+from pipeline import interrupts
+from pipeline.errors import InputError, OutputError, PipelineError
 
 MANIFEST = "manifest.json"
 TRACKED_LIBRARIES = (
@@ -65,7 +68,10 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise PipelineError(f"no artifact at {folder} (missing {MANIFEST}); run its stage first")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputError(f"{path} is not a readable manifest; rerun its stage (artifacts.force=true)") from None
 
 
 @dataclass
@@ -91,11 +97,14 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
     final = root / name
     key = sha256_json({"config": config, "inputs": inputs})
     if not force and (final / MANIFEST).is_file():
-        old = json.loads((final / MANIFEST).read_text())
-        if old.get("key") == key and _outputs_intact(final, old):
+        try:
+            old = json.loads((final / MANIFEST).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            old = {}  # a damaged manifest: rebuild, never reuse
+        if isinstance(old, dict) and old.get("key") == key and _outputs_intact(final, old):
             yield StageOutput(path=final, manifest=old, reused=True, metrics=old.get("metrics", {}))
             return
-    root.mkdir(parents=True, exist_ok=True)
+    _make_root(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     started = time.time()
     out = StageOutput(path=tmp, manifest={})
@@ -123,6 +132,15 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
         raise
 
 
+def _make_root(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OutputError(f"artifacts folder {root}: a file is in the way; point artifacts.dir at a folder") from None
+    except PermissionError:
+        raise OutputError(f"artifacts folder {root}: not writable") from None
+
+
 def _outputs_intact(folder: Path, manifest: dict[str, Any]) -> bool:
     """Every recorded output still there with its recorded sha256 (a truncated file is not reused)."""
     for rel, digest in manifest.get("outputs", {}).items():
@@ -132,22 +150,40 @@ def _outputs_intact(folder: Path, manifest: dict[str, Any]) -> bool:
     return True
 
 
-def _replace_dir(new: Path, final: Path) -> None:
-    """Swap ``new`` into ``final``; the old folder is removed only once the new one is in place."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
+@contextlib.contextmanager
+def _swap_lock(root: Path) -> Iterator[None]:
+    """One folder swap at a time under ``root``: two runs publishing together would otherwise rename
+    onto each other's folder (ENOTEMPTY) and leave ``.old-*`` behind. flock on the directory itself,
+    so no lock file is left in the artifacts root; the kernel drops it when a process dies."""
+    fd = os.open(root, os.O_RDONLY)
     try:
-        os.replace(new, final)
-    except BaseException:
-        if old is not None:
-            os.replace(old, final)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Swap ``new`` into ``final``; the old folder is removed only once the new one is in place.
+
+    Never after a signal: the swap is the commit point (:func:`pipeline.interrupts.publishing`)."""
+    old = None
+    with _swap_lock(final.parent):
+        try:
+            with interrupts.publishing(str(final)):
+                if final.exists():
+                    old = final.with_name(f".old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                    os.replace(final, old)
+                try:
+                    os.replace(new, final)
+                except BaseException:
+                    if old is not None:
+                        os.replace(old, final)
+                        old = None
+                    raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_write_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
@@ -155,7 +191,7 @@ def atomic_write_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
 
     @contextlib.contextmanager
     def _ctx() -> Iterator[Path]:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        _make_root(final.parent)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
             yield tmp

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from pipeline.errors import ConfigError, check_range
 from pipeline.stages import STAGES
 
 
@@ -18,6 +19,10 @@ from pipeline.stages import STAGES
 class ArtifactsConfig:
     dir: str = "artifacts"   # root of every stage's output folder
     force: bool = False      # rerun a stage even when its inputs and config are unchanged
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ConfigError("artifacts.dir is empty; give a folder")
 
 
 @dataclass
@@ -27,6 +32,12 @@ class ModelConfig:
     max_length: int = 160             # decode cap, BOS included; the same for every variant compared
     batch_size: int = 16              # images per decode batch
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        # the model's own ceiling (its position table) is checked when the model is loaded
+        check_range("model.max_length", self.max_length, 2, why="BOS plus at least one token")
+        check_range("model.batch_size", self.batch_size, 1)
+        check_range("model.threads", self.threads, 0, why="0 = torch's default")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.adapters.base import ModelAdapter, load_adapter
 from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, stage_output
 from pipeline.data.corpus import Formula, build_corpus, read_jsonl, write_jsonl
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 
 ORIGINAL = ("original", "package")
 MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
@@ -74,8 +74,10 @@ class StageContext:
 
     def load_model(self, ref: str = "original") -> ModelAdapter:
         folder = self.model_folder(ref)
-        return load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),
-                            trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
+        adapter = load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),
+                               trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
+        check_max_length(int(self.cfg.model.max_length), adapter.max_positions, f"model {ref!r}")
+        return adapter
 
     def model_hash(self, ref: str = "original") -> str:
         folder = self.model_folder(ref)
@@ -125,6 +127,13 @@ class StageContext:
     def upstream(self, stage: str) -> dict[str, Any]:
         """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""
         return read_manifest(self.artifacts_dir / stage)
+
+
+def check_max_length(max_length: int, limit: int | None, what: str, key: str = "model.max_length") -> None:
+    """The decode cap against the model's position table, once the model is known."""
+    if limit is not None and max_length > limit:
+        raise ConfigError(f"{key}={max_length}: above the {limit} positions {what} holds; "
+                          f"use {key}<={limit}")
 
 
 def file_hash(path: str | Path) -> str:

@@ -119,6 +119,11 @@ class ModelAdapter(abc.ABC):
     def banned_token_ids(self) -> list[int]:
         return [self.pad_id, self.bos_id]
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest token sequence (BOS included) the decoder's position table holds; None: no limit."""
+        return None
+
     def cached_decoder(self) -> Any | None:
         """A KV-cached decoder (``cross_kv(memory)``, ``run(tokens, past, cross, causal)``), or None.
 

@@ -20,10 +20,12 @@ from PIL import Image
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from pipeline import schema
 from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
 from pipeline.adapters.base import ModelAdapter, register_adapter
 from pipeline.data.render import INK_THRESHOLD, crop_to_ink
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, SchemaError
+from pipeline.schema import load_char_tokenizer, load_json
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -98,6 +100,19 @@ def place_on_canvas(grey: Image.Image, height: int, width: int, margin: int = CA
     return canvas
 
 
+def check_model_config(meta: dict, path: Path) -> None:
+    """What the schema cannot say alone: heads divide the width, one head count per encoder layer."""
+    mc = meta["model_config"]
+    where = f"{path.name} in {path.parent}"
+    if mc["d_model"] % mc["num_heads"]:
+        raise SchemaError(f"{where}: field 'model_config.num_heads'={mc['num_heads']} does not divide "
+                          f"'model_config.d_model'={mc['d_model']}")
+    heads = meta.get("encoder_heads")
+    if heads is not None and len(heads) != mc["num_encoder_layers"]:
+        raise SchemaError(f"{where}: field 'encoder_heads' has {len(heads)} entries for "
+                          f"{mc['num_encoder_layers']} encoder layers")
+
+
 @register_adapter("latex_ocr_junia")
 class LatexOcrJuniaAdapter(ModelAdapter):
     def __init__(self, model: torch.nn.Module, model_config: Any, tokenizer: Any, tokenizer_path: Path):
@@ -143,8 +158,11 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             folder = Path(source)
             if not (folder / CONFIG).is_file():
                 raise PipelineError(f"not a saved model folder (no {CONFIG}): {folder}")
+            meta = load_json(folder / CONFIG, schema.MODEL_CONFIG, f"model folder {folder}")
+            tokenizer_path = folder / TOKENIZER
+            load_char_tokenizer(tokenizer_path)  # before building: a missing or garbage tokenizer is named
+            check_model_config(meta, folder / CONFIG)
             try:
-                meta = json.loads((folder / CONFIG).read_text())
                 from latex_ocr_junia.model import ModelConfig
                 model_config = ModelConfig(**meta["model_config"])
                 model = cls._build(model_config, meta.get("encoder_heads"))
@@ -154,7 +172,6 @@ class LatexOcrJuniaAdapter(ModelAdapter):
                 raise PipelineError(f"corrupt model config {folder / CONFIG}: {exc}") from None
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise PipelineError(f"corrupt model weights {folder / WEIGHTS}: {str(exc).splitlines()[0]}") from None
-            tokenizer_path = folder / TOKENIZER
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
 
@@ -205,6 +222,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_id
+
+    @property
+    def max_positions(self) -> int:
+        return int(self.model_config.max_length)
 
     @property
     def vocab_size(self) -> int:

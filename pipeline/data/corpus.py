@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import multiprocessing
 import os
 import re
 import warnings
@@ -25,6 +24,7 @@ from tqdm import tqdm
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
+from pipeline.pools import process_pool
 
 SPLITS = ("train", "calib", "eval")
 _ROLE = re.compile(r":math:`([^`]+)`")
@@ -92,8 +92,7 @@ def _pool_map(fn, items: list, workers: int, desc: str, progress: bool) -> list:
             out.append(fn(it))
             bar.update()
     else:
-        ctx = multiprocessing.get_context("fork")  # workers only parse and render: no torch in them
-        with ctx.Pool(workers) as pool:
+        with process_pool(workers) as pool:
             out = []
             for r in pool.imap(fn, items, chunksize=16):
                 out.append(r)

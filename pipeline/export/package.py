@@ -160,6 +160,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
         "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
+        "max_positions": adapter.max_positions or int(max_length),  # the decoder position table
         **shapes,
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         "decoding": "greedy; decoder_first(BOS, memory) then decoder_step per token with the present K/V fed "

@@ -5,7 +5,6 @@ No torch model and no model weights are loaded here: everything comes from the p
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -13,8 +12,10 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from pipeline import schema
 from pipeline.adapters.base import DecodeResult
 from pipeline.errors import PipelineError
+from pipeline.schema import load_json
 
 PACKAGE_META = "package.json"
 PREPROCESS = "preprocess.json"
@@ -35,7 +36,9 @@ class CharTokenizer:
     """``tokenizer.json`` (token_to_id + specials) read without the model package."""
 
     def __init__(self, path: Path):
-        payload = json.loads(Path(path).read_text(encoding="utf-8"))
+        from pipeline.schema import load_char_tokenizer
+
+        payload = load_char_tokenizer(Path(path))
         self.token_to_id = payload["token_to_id"]
         self.id_to_token = {int(i): t for t, i in self.token_to_id.items()}
         sp = payload["specials"]
@@ -61,11 +64,10 @@ class OnnxPackage:
         import onnxruntime as ort
 
         self.folder = Path(folder)
-        meta_path = self.folder / PACKAGE_META
-        if not meta_path.is_file():
+        if not (self.folder / PACKAGE_META).is_file():
             raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
-        self.meta = json.loads(meta_path.read_text())
-        self.preprocess_spec = json.loads((self.folder / PREPROCESS).read_text())
+        self.meta = load_json(self.folder / PACKAGE_META, schema.PACKAGE, f"package {self.folder}")
+        self.preprocess_spec = load_json(self.folder / PREPROCESS, schema.PREPROCESS, f"package {self.folder}")
         self.tokenizer = CharTokenizer(self.folder / TOKENIZER)
         wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
         available = ort.get_available_providers()
@@ -90,6 +92,8 @@ class OnnxPackage:
         self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
         self.num_layers = int(self.meta["num_layers"])
+        # the decoder's position table; packages from before it was recorded: their export cap
+        self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
 
     def use_graph(self, graph: str, path: str | Path) -> None:
         """Run ``graph`` from ``path`` (same inputs and outputs): how a quantized encoder variant is

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from pipeline.benchmarking import measure, summary
 from pipeline.benchmarking.variants import (PACKAGE, TORCH, TORCH_KV, Variant, package_variant, resolve_packages,
                                             torch_variant)
+from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
@@ -81,10 +82,7 @@ def _validate(cfg: BenchmarkConfig) -> None:
 def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
     if cfg.formulas:
         path = Path(cfg.formulas)
-        if not path.is_file():
-            raise PipelineError(f"benchmark.formulas: no such file {path}")
-        return [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()], \
-            {"formulas": file_hash(path)}
+        return [ln for _, ln in files.read_formulas(path, "benchmark.formulas")], {"formulas": file_hash(path)}
     return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 

@@ -12,18 +12,17 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
+from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
-from pipeline.errors import PipelineError
+from pipeline.errors import ImageError, PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items, latency_batch1
 from pipeline.reports import bar_plot, markdown_table
 
 NAME = "evaluate"
 CONFIG_KEY = "eval"
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp"}
 
 
 @dataclass
@@ -53,13 +52,7 @@ def load_items(cfg: EvalConfig, ctx: StageContext, adapter) -> tuple[list[EvalIt
         return _image_items(cfg, adapter)
     if cfg.formulas:
         path = Path(cfg.formulas)
-        if not path.is_file():
-            raise PipelineError(f"eval.formulas: no such file {path}")
-        try:
-            lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-        except UnicodeDecodeError as exc:
-            raise PipelineError(f"eval.formulas: {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        pairs = [(f"line{i + 1}", ln) for i, ln in enumerate(lines) if ln]
+        pairs = [(f"line{i}", ln) for i, ln in files.read_formulas(path, "eval.formulas")]
         source, inputs = f"file {path}", {"formulas": file_hash(path)}
     else:
         formulas = ctx.split(cfg.split)
@@ -90,29 +83,20 @@ def _image_items(cfg: EvalConfig, adapter) -> tuple[list[EvalItem], dict[str, st
     labels_path = Path(cfg.labels) if cfg.labels else folder / "labels.tsv"
     if not labels_path.is_file():
         raise PipelineError(f"eval.images needs a labels file ('<file>\\t<latex>' lines): {labels_path} not found")
-    labels = []
-    for i, line in enumerate(labels_path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        if "\t" not in line:
-            raise PipelineError(f"{labels_path}:{i}: expected '<file>\\t<latex>'")
-        name, latex = line.split("\t", 1)
-        labels.append((name.strip(), latex.strip()))
+    labels = files.read_labels(labels_path, "eval.labels")
     if cfg.limit:
         labels = labels[:cfg.limit]
     items, skipped = [], []
     for name, latex in labels:
-        path = folder / name
         try:
-            with Image.open(path) as im:
-                im.load()
-                items.append(EvalItem(name, latex, adapter.preprocess(im)))
-        except (FileNotFoundError, UnidentifiedImageError, OSError, ValueError) as exc:
-            skipped.append(f"{name} ({type(exc).__name__})")
+            items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(folder / name))))
+        except ImageError as exc:
+            skipped.append(str(exc))
     if skipped:
-        print(f"[evaluate] skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}")
+        print(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     if not items:
-        raise PipelineError(f"no readable image among the {len(labels)} labelled in {labels_path}")
+        raise ImageError(f"eval.images: no readable image among the {len(labels)} labelled in {labels_path}: "
+                         f"{'; '.join(skipped[:3])}")
     return items, {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}"
 
 

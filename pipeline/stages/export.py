@@ -19,6 +19,7 @@ from tqdm import tqdm
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
+from pipeline.files import read_formulas
 from pipeline.export import tensorrt as trt_build
 from pipeline.export.package import build_graphs, write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
@@ -67,12 +68,7 @@ def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[st
     """(id, latex) pairs for the tensor parity (calib) and the token parity (eval), and their hash."""
     if cfg.formulas:
         path = Path(cfg.formulas)
-        if not path.is_file():
-            raise PipelineError(f"export.formulas: no such file {path}")
-        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-        pairs = [(f"line{i + 1}", ln) for i, ln in enumerate(lines)]
-        if not pairs:
-            raise PipelineError(f"export.formulas: {path} holds no formula")
+        pairs = [(f"line{i}", ln) for i, ln in read_formulas(path, "export.formulas")]
         return pairs, pairs, {"formulas": file_hash(path)}
     calib = [(f.id, f.latex) for f in ctx.split("calib")]
     evals = [(f.id, f.latex) for f in ctx.split("eval")]

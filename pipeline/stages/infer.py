@@ -10,15 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from PIL import Image, UnidentifiedImageError
-
-from pipeline.context import StageContext
-from pipeline.errors import PipelineError
-from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+from pipeline import files
+from pipeline.context import StageContext, check_max_length
+from pipeline.errors import ConfigError, ImageError, InputError, check_range
+from pipeline.export.runtime import OnnxPackage
 
 NAME = "infer"
 CONFIG_KEY = "infer"
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".gif", ".webp"}
 
 
 @dataclass
@@ -28,55 +26,46 @@ class InferConfig:
     threads: int = 0                   # ONNX Runtime intra-op threads; 0 = its default
     output: Optional[str] = None       # also write "<file>\t<latex>" lines here
 
+    def __post_init__(self) -> None:  # the package's own ceiling is checked when it is loaded
+        if self.max_length is not None:
+            check_range("infer.max_length", self.max_length, 2, why="BOS plus at least one token")
+        check_range("infer.batch_size", self.batch_size, 1)
+        check_range("infer.threads", self.threads, 0, why="0 = ONNX Runtime's default")
+
 
 Config = InferConfig
 
 
-def resolve_package(ref: Optional[str], ctx: StageContext) -> Path:
-    if not ref:
-        raise PipelineError("stage=infer needs package=<exported package folder or export stage name>")
-    for cand in (Path(ref), ctx.artifacts_dir / ref):
-        if (cand / PACKAGE_META).is_file():
-            return cand
-    raise PipelineError(f"package={ref}: not an exported package folder (no {PACKAGE_META}) "
-                        f"nor an export under {ctx.artifacts_dir}")
-
-
 def image_paths(ref: Optional[str]) -> list[Path]:
     if not ref:
-        raise PipelineError("stage=infer needs image=<image file or folder of images>")
+        raise ConfigError("stage=infer needs image=<image file or folder of images>")
     path = Path(ref)
     if path.is_dir():
-        paths = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        if not paths:
-            raise PipelineError(f"image={ref}: no image ({', '.join(sorted(IMAGE_SUFFIXES))}) in the folder")
-        return paths
+        return files.image_files(path, "image")
     if not path.is_file():
-        raise PipelineError(f"image={ref}: no such file or folder")
+        raise InputError(f"image={ref}: no such file or folder")
     return [path]
 
 
 def run(cfg: InferConfig, ctx: StageContext) -> dict:
-    folder = resolve_package(ctx.cfg.package, ctx)
+    folder = files.find_package(ctx.cfg.package, ctx.artifacts_dir, "package")
     paths = image_paths(ctx.cfg.image)
-    if cfg.batch_size < 1:
-        raise PipelineError(f"infer.batch_size must be >= 1, got {cfg.batch_size}")
-    if cfg.max_length is not None and cfg.max_length < 2:
-        raise PipelineError(f"infer.max_length must be >= 2, got {cfg.max_length}")
+    if cfg.output:  # before the work, not after it
+        files.check_output_file(cfg.output, "infer.output")
     package = OnnxPackage(folder, threads=cfg.threads)
+    if cfg.max_length is not None:
+        check_max_length(cfg.max_length, package.max_positions, f"package {folder}", "infer.max_length")
     images, names, skipped = [], [], []
     for p in paths:
         try:
-            with Image.open(p) as im:
-                im.load()
-                images.append(package.preprocess(im))
-                names.append(p.name)
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            skipped.append(f"{p.name} ({type(exc).__name__})")
+            images.append(package.preprocess(files.open_image(p)))
+            names.append(p.name)
+        except ImageError as exc:
+            skipped.append(str(exc))
     if skipped:
-        print(f"[infer] skipped {len(skipped)} unreadable image(s): {', '.join(skipped[:5])}", flush=True)
+        print(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}", flush=True)
     if not images:
-        raise PipelineError(f"image={ctx.cfg.image}: no readable image")
+        raise ImageError(f"image={ctx.cfg.image}: no readable image: {'; '.join(skipped[:3])}")
     import numpy as np
 
     t0 = time.perf_counter()

@@ -1,0 +1,84 @@
+"""SIGTERM and Ctrl-C: remembered in a flag that the publish step checks, so no run publishes after a signal.
+
+Raising ``KeyboardInterrupt`` from the handler unwinds the run at once in plain Python code, but a
+native library that calls back into Python (tracing, pybind11 conversions) can swallow it and keep
+going; the flag outlives that. :func:`publishing` is the commit point of an artifact folder: a
+signal seen before it refuses the publish, a signal during it is deferred until the rename is done.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Iterator
+
+from pipeline.errors import Interrupted
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []   # signals seen by this process, in order
+_publishing = False         # inside a folder swap: the handler only records
+
+
+def _handler(signum, frame) -> None:
+    _received.append(signum)
+    if not _publishing:
+        raise KeyboardInterrupt
+
+
+def install() -> bool:
+    """Route SIGINT and SIGTERM through the flag (main thread only; False where that is impossible)."""
+    try:
+        for sig in SIGNALS:
+            signal.signal(sig, _handler)
+    except ValueError:  # not the main thread of this process: leave the handlers alone
+        return False
+    return True
+
+
+def finished() -> None:
+    """The run is over (published or failed): a later signal ends the process by the system's default
+    action, silently, instead of raising inside interpreter shutdown (atexit callbacks print tracebacks)."""
+    try:
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
+
+
+def received() -> bool:
+    return bool(_received)
+
+
+def reset() -> None:
+    """Forget earlier signals (tests that run stages in-process)."""
+    _received.clear()
+
+
+def check(where: str = "") -> None:
+    """Raise :class:`Interrupted` when a signal has been seen."""
+    if _received:
+        name = signal.Signals(_received[0]).name
+        raise Interrupted(f"interrupted ({name}){' ' + where if where else ''}; previous artifacts left as they were")
+
+
+@contextlib.contextmanager
+def publishing(what: str) -> Iterator[None]:
+    """The commit point: refuse when a signal came first; defer one that comes during the block."""
+    global _publishing
+    check(f"before publishing {what}")
+    seen = len(_received)
+    _publishing = True
+    try:
+        yield
+    finally:
+        _publishing = False
+    if len(_received) > seen:  # the signal came during the swap: it is done, stop right after it
+        name = signal.Signals(_received[seen]).name
+        raise Interrupted(f"interrupted ({name}) while publishing {what}, which is now the new folder; "
+                          f"nothing after it ran")
+
+
+def worker_init() -> None:
+    """Process-pool workers: the parent alone handles Ctrl-C (the whole process group gets it) and a
+    SIGTERM from the pool's own terminate() ends a worker silently, never with a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,429 @@
+"""Hostile but realistic input through the CLI: every bad input is one ``error:`` line and exit code 2,
+no traceback and no partial artifact; every interrupt is honoured and leaves the previous artifacts
+byte-identical. Runs on the tiny random model (tests/tiny_model.py) exported once for the module."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+
+FORMULAS = ["x^2", "a+b", r"\frac{a}{b}"]
+TINY_MAX_POSITIONS = 64  # tests/tiny_model.py: ModelConfig(max_length=64)
+EXPORT_ARGS = ["stage=export", "model.max_length=16", "export.parity_images=1", "export.parity_limit=2",
+               "export.min_identical=0", "progress=false"]
+
+
+# ---- fixtures ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A tiny saved model, a formulas file, two rendered images and an exported tiny package."""
+    from tiny_model import build_tiny
+
+    from pipeline.data.render import render_formula
+
+    root = tmp_path_factory.mktemp("hostile")
+    build_tiny().save(root / "tiny")
+    (root / "formulas.txt").write_text("\n".join(FORMULAS) + "\n", encoding="utf-8")
+    images = root / "images"
+    images.mkdir()
+    for i, latex in enumerate(FORMULAS[:2]):
+        render_formula(latex).save(images / f"f{i}.png")
+    (images / "labels.tsv").write_text("".join(f"f{i}.png\t{t}\n" for i, t in enumerate(FORMULAS[:2])))
+    proc = run_cli(*EXPORT_ARGS, f"export.model={root / 'tiny'}", f"export.formulas={root / 'formulas.txt'}",
+                   f"artifacts.dir={root / 'art'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def bomb(tmp_path_factory) -> Path:
+    """A valid 20000 x 20000 1-bit PNG of a few kB: 400 M pixels once decoded."""
+    path = tmp_path_factory.mktemp("bomb") / "bomb.png"
+    w = h = 20000
+    comp = zlib.compressobj(9)
+    row = b"\x00" + b"\xff" * (w // 8)
+    idat = b"".join(comp.compress(row) for _ in range(h)) + comp.flush()
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 1, 0, 0, 0, 0))
+                     + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    return path
+
+
+def one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit code 2, exactly one non-blank stderr line, ``error: ...`` holding every needle, no traceback."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith((".tmp-", ".old-")))
+
+
+def copy_package(work: Path, dest: Path) -> Path:
+    shutil.copytree(work / "art" / "export-ort_cpu", dest)
+    return dest
+
+
+# ---- 1. interrupts -------------------------------------------------------------------------------
+def test_sigterm_at_several_moments_leaves_the_previous_package_byte_identical(work, tmp_path):
+    """A real export (CLI subprocess) is killed at moments spread over its run; each time the package
+    published before is byte-identical, nothing temporary is left, stderr is one line."""
+    art = tmp_path / "art"
+    shutil.copytree(work / "art", art)
+    package = art / "export-ort_cpu"
+    before = tree_digest(package)
+    args = [sys.executable, "-m", "pipeline", *EXPORT_ARGS, f"export.model={work / 'tiny'}",
+            f"export.formulas={work / 'formulas.txt'}", f"artifacts.dir={art}", "artifacts.force=true"]
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    t0 = time.monotonic()  # one full forced run: how long the moments are spread over
+    full = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    span = time.monotonic() - t0
+    assert full.returncode == 0, full.stderr[-2000:]
+    before = tree_digest(package)  # that run republished: this is the package to keep now
+    interrupted = 0
+    # moments: shares of a full run's wall time, and two phases seen on disk (the stage's temporary
+    # folder exists: graphs are being built; package.json is written in it: parity is running)
+    moments = [(0.15, signal.SIGTERM), (0.3, signal.SIGTERM), (0.5, signal.SIGINT), (0.7, signal.SIGTERM),
+               (0.85, signal.SIGTERM), (0.95, signal.SIGTERM), (".tmp-export-*", signal.SIGTERM),
+               (".tmp-export-*/package.json", signal.SIGINT)]
+    for share, sig in moments:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if isinstance(share, float):
+            time.sleep(share * span)
+        else:
+            while not list(art.glob(share)) and proc.poll() is None:
+                time.sleep(0.05)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=300)
+        assert "Traceback" not in out + err, (share, err[-3000:])
+        assert leftovers(art) == [], share
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if tree_digest(package) != before:  # only a run that got past its commit point may change it
+            finished = proc.returncode in (0, -sig) and "[export] ort_cpu:" in out
+            assert finished or (proc.returncode == 2 and "while publishing" in err), (share, proc.returncode, err)
+            before = tree_digest(package)
+            continue
+        if proc.returncode == 0:
+            continue
+        interrupted += 1
+        if proc.returncode == -sig:  # before the handler (a loaded machine) or after the run: default action
+            assert lines == [], (share, err)
+        else:
+            assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: interrupted"), \
+                (share, proc.returncode, err)
+    assert interrupted >= 4  # most moments fell inside the run (the two phase moments always do)
+
+
+def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
+    """Native code that calls back into Python can swallow the KeyboardInterrupt; the flag outlives it."""
+    from pipeline import interrupts
+    from pipeline.artifacts import stage_output
+    from pipeline.errors import Interrupted
+
+    with stage_output(tmp_path, "demo", {"v": 1}, {}) as out:
+        (out.path / "x.txt").write_text("old")
+    before = tree_digest(tmp_path / "demo")
+    interrupts.reset()
+    try:
+        with pytest.raises(Interrupted, match="SIGTERM"):
+            with stage_output(tmp_path, "demo", {"v": 2}, {}) as out:
+                (out.path / "x.txt").write_text("new")
+                try:
+                    interrupts._handler(signal.SIGTERM, None)  # what the signal does ...
+                except KeyboardInterrupt:
+                    pass                                       # ... and a callback that eats it
+    finally:
+        interrupts.reset()
+    assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
+
+
+def test_a_signal_during_the_swap_is_deferred_until_the_swap_is_done(tmp_path):
+    from pipeline import interrupts
+    from pipeline.errors import Interrupted
+
+    interrupts.reset()
+    try:
+        with pytest.raises(Interrupted, match="while publishing"):
+            with interrupts.publishing("demo"):
+                interrupts._handler(signal.SIGTERM, None)  # recorded, not raised mid-swap
+                (tmp_path / "swapped").write_text("done")
+    finally:
+        interrupts.reset()
+    assert (tmp_path / "swapped").read_text() == "done"
+
+
+def _publish_many(root: str, tag: str, n: int) -> None:
+    from pipeline.artifacts import stage_output
+
+    for i in range(n):
+        with stage_output(Path(root), "demo", {"tag": tag, "i": i}, {}, force=True) as out:
+            (out.path / "who.txt").write_text(f"{tag}{i}")
+
+
+def test_two_writers_publishing_into_one_folder_both_succeed_and_leave_nothing_behind(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_publish_many, args=(str(tmp_path), tag, 40)) for tag in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    assert (tmp_path / "demo" / "who.txt").read_text() in {"a39", "b39"}
+
+
+def _worker_handlers(_):
+    return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+
+
+def test_pool_workers_leave_signals_to_the_parent():
+    from pipeline import interrupts
+    from pipeline.pools import process_pool
+
+    saved = {sig: signal.getsignal(sig) for sig in interrupts.SIGNALS}
+    interrupts.install()  # the CLI's handler in the parent: the workers must not keep it
+    try:
+        with process_pool(2) as pool:
+            got = pool.map(_worker_handlers, range(2))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert got == [(signal.SIG_IGN, signal.SIG_DFL)] * 2
+
+
+# ---- 2. bad files --------------------------------------------------------------------------------
+def _latin1(path: Path) -> Path:
+    path.write_bytes("x^2\n\\alpha + é\n".encode("latin-1"))
+    return path
+
+
+def test_non_utf8_formulas_files_are_one_line_naming_the_key_and_the_line(work, tmp_path):
+    bad = _latin1(tmp_path / "latin1.txt")
+    art = tmp_path / "a"
+    one_error(run_cli(*EXPORT_ARGS, f"export.model={work / 'tiny'}", f"export.formulas={bad}", f"artifacts.dir={art}"),
+              "export.formulas", "not UTF-8", "line 2")
+    one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.formulas={bad}", f"artifacts.dir={art}",
+                      "model.max_length=16"), "eval.formulas", "not UTF-8")
+    one_error(run_cli("stage=benchmark", f"benchmark.package={work / 'art' / 'export-ort_cpu'}",
+                      f"benchmark.model={work / 'tiny'}", f"benchmark.formulas={bad}", "model.max_length=16",
+                      f"artifacts.dir={art}"), "benchmark.formulas", "not UTF-8")
+    labels = tmp_path / "labels.tsv"
+    labels.write_bytes("f0.png\t\\alpha \xe9\n".encode("latin-1"))
+    one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.images={work / 'images'}",
+                      f"eval.labels={labels}", "model.max_length=16", f"artifacts.dir={art}"), "eval.labels", "not UTF-8")
+    assert not list(art.glob("[!.]*"))  # no stage folder
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda m: "{not json", ["package.json", "not JSON"]),
+    (lambda m: json.dumps({**m, "graphs": list(m["graphs"].values())}), ["'graphs' must be an object"]),
+    (lambda m: json.dumps({**m, "bos_id": "one"}), ["'bos_id' must be an integer", '"one"']),
+    (lambda m: json.dumps({**m, "graphs": {**m["graphs"], "encoder": "../../x.onnx"}}), ["'graphs.encoder'"]),
+    (lambda m: json.dumps([m]), ["must be a JSON object"]),
+    (lambda m: json.dumps({k: v for k, v in m.items() if k != "num_layers"}), ["'num_layers' is missing"]),
+])
+def test_a_broken_package_json_names_the_field(work, tmp_path, edit, needles):
+    from pipeline.errors import SchemaError
+    from pipeline.export.runtime import OnnxPackage
+
+    pkg = copy_package(work, tmp_path / "pkg")
+    meta = json.loads((pkg / "package.json").read_text())
+    (pkg / "package.json").write_text(edit(meta))
+    with pytest.raises(SchemaError) as err:
+        OnnxPackage(pkg)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def test_a_broken_package_is_one_line_through_the_cli(work, tmp_path):
+    pkg = copy_package(work, tmp_path / "pkg")
+    (pkg / "package.json").write_text('{"graphs": ')
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
+              f"package.json in {pkg}: not JSON")
+    (pkg / "package.json").write_text(json.dumps({**json.loads((work / "art" / "export-ort_cpu" / "package.json")
+                                                               .read_text()), "bos_id": "one"}))
+    (pkg / "tokenizer.json").write_text("garbage")
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
+              "'bos_id' must be an integer")
+
+
+@pytest.mark.parametrize("content, needles", [
+    (b"\x00\xffgarbage", ["tokenizer.json", "not UTF-8"]),
+    (b'{"token_to_id": [], "specials": {}}', ["'token_to_id' must be an object"]),
+    (b'{"token_to_id": {"a": 0}, "specials": {"pad": "a", "bos": "a", "eos": "a", "unk": "?"}}',
+     ["'specials' names tokens not in 'token_to_id'", "unk='?'"]),
+])
+def test_a_broken_package_tokenizer_names_the_field(work, tmp_path, content, needles):
+    from pipeline.errors import SchemaError
+    from pipeline.export.runtime import OnnxPackage
+
+    pkg = copy_package(work, tmp_path / "pkg")
+    (pkg / "tokenizer.json").write_bytes(content)
+    with pytest.raises(SchemaError) as err:
+        OnnxPackage(pkg)
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+def _model_copy(work: Path, dest: Path, edit=None, drop: str | None = None) -> Path:
+    shutil.copytree(work / "tiny", dest)
+    if drop:
+        (dest / drop).unlink()
+    if edit:
+        meta = json.loads((dest / "config.json").read_text())
+        edit(meta)
+        (dest / "config.json").write_text(json.dumps(meta))
+    return dest
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("no_tokenizer", ["tokenizer.json is missing"]),
+    ("zero_heads", ["'model_config.num_heads' must be an integer >= 1, got 0"]),
+    ("zero_encoder_heads", ["'encoder_heads[1]' must be an integer >= 1, got 0"]),
+    ("heads_do_not_divide", ["does not divide"]),
+    ("garbage_tokenizer", ["tokenizer.json", "not JSON"]),
+])
+def test_a_broken_model_folder_names_the_field(work, tmp_path, case, needles):
+    edits = {
+        "zero_heads": lambda m: m["model_config"].update(num_heads=0),
+        "zero_encoder_heads": lambda m: m.update(encoder_heads=[4, 0]),
+        "heads_do_not_divide": lambda m: m["model_config"].update(num_heads=5),
+    }
+    model = _model_copy(work, tmp_path / "m", edits.get(case), "tokenizer.json" if case == "no_tokenizer" else None)
+    if case == "garbage_tokenizer":
+        (model / "tokenizer.json").write_text("{ nope")
+    if case == "no_tokenizer":  # one case through the CLI: the stage loads the model and says one line
+        one_error(run_cli("stage=evaluate", f"eval.model={model}", f"eval.formulas={work / 'formulas.txt'}",
+                          "model.max_length=16", f"artifacts.dir={tmp_path / 'a'}"), *needles)
+        return
+    from pipeline.adapters import load_adapter
+    from pipeline.errors import SchemaError
+
+    with pytest.raises(SchemaError) as err:
+        load_adapter("latex_ocr_junia", str(model))
+    assert all(n in str(err.value) for n in needles), str(err.value)
+
+
+# ---- 3. hostile images ---------------------------------------------------------------------------
+def test_open_image_refuses_a_bomb_from_its_header(bomb):
+    from pipeline.errors import ImageError
+    from pipeline.files import open_image
+
+    with pytest.raises(ImageError, match="bomb.png: 400,000,000 pixels is above the 50,000,000-pixel limit"):
+        open_image(bomb)
+
+
+def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bomb, tmp_path):
+    folder = tmp_path / "imgs"
+    shutil.copytree(work / "images", folder)
+    shutil.copy(bomb, folder / "bomb.png")
+    (folder / "labels.tsv").write_text("f0.png\tx^2\nbomb.png\ty\n")
+    common = [f"eval.model={work / 'tiny'}", "model.max_length=16", "eval.image_match=false",
+              "eval.latency_samples=0", "progress=false"]
+    ok = run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'a'}")
+    assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
+    assert "skipped 1 unreadable image(s): bomb.png: 400,000,000 pixels is above" in ok.stdout
+    (folder / "labels.tsv").write_text("bomb.png\ty\n")
+    one_error(run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'b'}"),
+              "bomb.png", "pixel limit")
+
+    pkg = work / "art" / "export-ort_cpu"
+    ok = run_cli("stage=infer", f"package={pkg}", f"image={folder}", f"artifacts.dir={tmp_path / 'c'}")
+    assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
+    assert "bomb.png: 400,000,000 pixels is above" in ok.stdout and ok.stdout.count("\t") == 2  # f0, f1 read
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={folder / 'bomb.png'}", f"artifacts.dir={tmp_path / 'c'}"),
+              "bomb.png", "pixel limit")
+
+
+# ---- 4. numbers ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, needle", [
+    ("model.max_length=0", "model.max_length=0: must be >= 2"),
+    ("model.max_length=1", "model.max_length=1: must be >= 2"),
+    ("model.batch_size=0", "model.batch_size=0: must be >= 1"),
+    ("model.threads=-1", "model.threads=-1: must be >= 0"),
+])
+def test_numbers_out_of_range_are_refused_at_config_time(tmp_path, override, needle):
+    from omegaconf import OmegaConf
+
+    from conftest import compose_cfg
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        OmegaConf.to_object(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
+
+
+def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
+    one_error(run_cli("stage=evaluate", "model.batch_size=0", f"artifacts.dir={tmp_path / 'a'}"),
+              "error: config: model.batch_size=0: must be >= 1")
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_cap_above_the_models_position_table_is_refused_with_its_limit(work, tmp_path):
+    one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.formulas={work / 'formulas.txt'}",
+                      f"model.max_length={TINY_MAX_POSITIONS + 1}", f"artifacts.dir={tmp_path / 'a'}"),
+              f"model.max_length={TINY_MAX_POSITIONS + 1}", f"above the {TINY_MAX_POSITIONS} positions")
+    pkg = work / "art" / "export-ort_cpu"
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", "infer.max_length=1000",
+                      f"artifacts.dir={tmp_path / 'a'}"), "infer.max_length=1000", f"{TINY_MAX_POSITIONS} positions")
+    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", "infer.threads=-1",
+                      f"artifacts.dir={tmp_path / 'a'}"), "infer.threads")
+
+
+# ---- 5. paths ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override", ["eval.name=../escape", "eval.name=.", "eval.name=..", "export.name=a/b",
+                                      "eval.name="])
+def test_names_are_one_folder_name(tmp_path, override):
+    from conftest import compose_cfg
+    from pipeline.__main__ import check_config
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="a name must be one folder name"):
+        check_config(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
+
+
+def test_a_name_outside_the_root_is_one_line_and_writes_nothing(tmp_path):
+    art = tmp_path / "inside" / "a"
+    one_error(run_cli("stage=evaluate", "eval.name=../escape", f"artifacts.dir={art}"),
+              "eval.name='../escape': a name must be one folder name")
+    assert not (tmp_path / "inside").exists() and not (tmp_path / "escape").exists()
+
+
+def test_artifacts_dir_on_a_file_is_one_line(tmp_path):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    one_error(run_cli("stage=evaluate", f"artifacts.dir={afile}"), "artifacts.dir", "is a file")
+    one_error(run_cli("stage=evaluate", f"artifacts.dir={afile / 'sub'}"), "artifacts.dir", "is a file")
+    assert afile.read_text() == "x"
+
+
+def test_infer_output_into_a_missing_folder_is_refused_before_the_work(work, tmp_path):
+    proc = run_cli("stage=infer", f"package={work / 'art' / 'export-ort_cpu'}", f"image={work / 'images'}",
+                   f"infer.output={tmp_path / 'missing' / 'out.tsv'}", f"artifacts.dir={tmp_path / 'a'}")
+    one_error(proc, "infer.output", "does not exist")
+    assert "\t" not in proc.stdout  # refused before anything was read
