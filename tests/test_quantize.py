@@ -292,3 +292,20 @@ def test_the_chain_hands_prune_model_to_quantize(tmp_path):
     assert ctx.chain_model("auto") == "prune"
     assert ctx.chain_model("original") == "original"  # an explicit reference wins
     assert ctx.model_folder(ctx.chain_model("auto")) == tmp_path / "prune" / "model"
+
+
+def test_a_pruned_model_with_uneven_heads_exports_fused_for_ort_cpu():
+    """Layers with different head counts: the optimizer reads heads from the graph (it asserted before)."""
+    from pipeline.export.package import build_graphs
+    from pipeline.quantization.graphs import ort_cpu_target
+
+    adapter = build_tiny()
+    adapter.remove_encoder_heads({0: [1, 2]})
+    assert adapter.encoder_head_counts() == [2, 4]
+    built = build_graphs(adapter, ort_cpu_target(), True, None, lambda _: None)
+    assert built.violations == []
+    ops = [n.op_type for n in built.models["encoder"].graph.node]
+    assert ops.count("MultiHeadAttention") == 2  # both layers fused, each with its own head count
+    heads = sorted(next(a.i for a in n.attribute if a.name == "num_heads")
+                   for n in built.models["encoder"].graph.node if n.op_type == "MultiHeadAttention")
+    assert heads == [2, 4]

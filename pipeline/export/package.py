@@ -79,7 +79,7 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
                 m = og.simplify(m, g)
                 hist[g]["simplified"] = og.op_histogram(m)
             if target.fuse and not qdq:
-                m = og.fuse_transformer(m, heads[0] if len(heads) == 1 else 0, hidden, Path(tmp), g)
+                m = og.fuse_transformer(m, *((heads[0], hidden) if len(heads) == 1 else (0, 0)), Path(tmp), g)
                 if g == "encoder":  # what the transformer optimizer leaves: the unmasked ViT attention
                     fuse_attention(m)
                 elif g == "decoder_step":  # and the step's attention over its K/V caches
