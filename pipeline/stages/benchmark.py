@@ -56,7 +56,7 @@ def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[
             raise PipelineError(f"benchmark.formulas: no such file {path}")
         return [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()], \
             {"formulas": file_hash(path)}
-    return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+    return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.split_hash(cfg.split)}
 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
