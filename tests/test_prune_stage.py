@@ -156,7 +156,7 @@ def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_
     shutil.copytree(corpus_root / "corpus", root / "corpus")
     proc = run_cli("-m", "stage=prune", f"artifacts.dir={root}", f"prune.model={tiny_folder}", "model.threads=1",
                    *FAST, "prune.compare_random=false", "prune.finetune_steps=0", "prune.num_heads=1,2",
-                   timeout=600)
+                   "prune.eval_splits=[eval]", timeout=600)  # the launcher is under test, not the splits
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
     jobs = [p for p in root.glob("prune-*") if (p / "model").is_dir()]
