@@ -49,6 +49,9 @@ class DataConfig:
     text_column: Optional[str] = "latex"  # hf_disk: column holding the LaTeX, if any
     # corpus: formulas from the docstrings of these pinned packages
     corpus_packages: List[str] = field(default_factory=lambda: ["numpy", "scipy", "sympy", "torch"])
+    # shift split (eval.split=shift): formulas from these pinned packages, none of them in the corpus;
+    # for measuring only, never for training, calibration or choosing defaults
+    shift_packages: List[str] = field(default_factory=lambda: ["networkx", "matplotlib", "pandas", "mpmath"])
     seed: int = 0                     # the corpus split seed
     shares: Dict[str, float] = field(default_factory=lambda: {"train": 0.6, "calib": 0.2, "eval": 0.2})
     min_chars: int = 3                # normalized length bounds

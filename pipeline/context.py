@@ -11,11 +11,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.adapters.base import ModelAdapter, load_adapter
 from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, stage_output
-from pipeline.data.corpus import Formula, build_corpus, read_jsonl, write_jsonl
+from pipeline.data.corpus import SHIFT, Formula, build_corpus, build_shift_split, read_jsonl, write_jsonl
 from pipeline.errors import ConfigError, PipelineError
 
 ORIGINAL = ("original", "package")
 MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
+SHIFT_FOLDER = "corpus-shift"  # the shift split's artifact folder
 
 
 @dataclass
@@ -99,13 +100,7 @@ class StageContext:
             "max_width_px": int(data.max_width_px),
             "max_height_px": int(data.max_height_px),
         }
-        from importlib import metadata
-        inputs = {}
-        for p in config["packages"]:
-            try:
-                inputs[p] = metadata.version(p)
-            except metadata.PackageNotFoundError:
-                raise PipelineError(f"corpus package {p!r} is not installed") from None
+        inputs = _package_versions(config["packages"])
         with stage_output(self.artifacts_dir, "corpus", config, inputs, force=False) as out:
             if not out.reused:
                 formulas = build_corpus(config["packages"], config["seed"], config["shares"],
@@ -118,11 +113,42 @@ class StageContext:
                 out.metrics["total"] = len(formulas)
         return read_jsonl(out.path / "formulas.jsonl")
 
+    def shift_split(self) -> list[Formula]:
+        """Formulas from ``data.shift_packages`` (none of which the corpus read) that are not in the
+        corpus, built once into ``<artifacts>/corpus-shift`` and reused. For measuring only."""
+        data = self.cfg.data
+        packages = list(data.shift_packages)
+        overlap = sorted(set(packages) & set(data.corpus_packages))
+        if overlap:
+            raise PipelineError(f"data.shift_packages {overlap} are corpus packages too: the shift split "
+                                f"must come from sources training never saw")
+        if not packages:
+            raise PipelineError("data.shift_packages is empty: no source for the shift split")
+        corpus = self.corpus()
+        config = {"packages": packages, "directives": [".. math::", ".. math ::"], **{k: int(data[k]) for k in
+                                           ("min_chars", "max_chars", "max_width_px", "max_height_px")}}
+        inputs = {**_package_versions(packages), "corpus": self.upstream("corpus")["outputs"]["formulas.jsonl"]}
+        with stage_output(self.artifacts_dir, SHIFT_FOLDER, config, inputs, force=False) as out:
+            if not out.reused:
+                formulas = build_shift_split(packages, {f.normalized for f in corpus}, config["min_chars"],
+                                             config["max_chars"], config["max_width_px"], config["max_height_px"],
+                                             progress=self.progress)
+                write_jsonl(out.path / "formulas.jsonl", formulas)
+                out.metrics["total"] = len(formulas)
+                out.metrics["by_package"] = {p: sum(f.source.split("/")[0] == p for f in formulas) for p in packages}
+        return read_jsonl(out.path / "formulas.jsonl")
+
     def split(self, name: str) -> list[Formula]:
-        items = [f for f in self.corpus() if f.split == name]
+        """A corpus split (train, calib, eval) or the shift split (``shift``)."""
+        items = self.shift_split() if name == SHIFT else [f for f in self.corpus() if f.split == name]
         if not items:
             raise PipelineError(f"corpus split {name!r} is empty")
         return items
+
+    def split_hash(self, name: str) -> str:
+        """sha256 of the file a split is read from (an input hash for stages that read it)."""
+        folder = SHIFT_FOLDER if name == SHIFT else "corpus"
+        return self.upstream(folder)["outputs"]["formulas.jsonl"]
 
     def upstream(self, stage: str) -> dict[str, Any]:
         """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""
@@ -134,6 +160,17 @@ def check_max_length(max_length: int, limit: int | None, what: str, key: str = "
     if limit is not None and max_length > limit:
         raise ConfigError(f"{key}={max_length}: above the {limit} positions {what} holds; "
                           f"use {key}<={limit}")
+
+
+def _package_versions(packages: list[str]) -> dict[str, str]:
+    from importlib import metadata
+    versions = {}
+    for p in packages:
+        try:
+            versions[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            raise PipelineError(f"corpus package {p!r} is not installed") from None
+    return versions
 
 
 def file_hash(path: str | Path) -> str:

@@ -38,3 +38,25 @@ def bar_plot(path: Path, labels: Sequence[str], values: Sequence[float], title: 
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, max(1.0, max(values, default=0) * 1.15))
     savefig(fig, path)
+
+
+def grouped_bar_plot(path: Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,
+                     ylabel: str, annotations: dict[str, Sequence[Any]] | None = None) -> None:
+    """Bars of several series (e.g. eval splits) side by side per label; one series is a plain bar plot."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    width = 0.8 / max(len(series), 1)
+    colors = ["#4477aa", "#ee6677", "#228833", "#ccbb44"]
+    top = 0.0
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        bars = ax.bar(xs, list(values), width=width, color=colors[i % len(colors)], label=name)
+        top = max(top, max(values, default=0))
+        for b, a in zip(bars, (annotations or {}).get(name, [])):
+            ax.annotate(f"n={a}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)), list(labels))
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, max(1.0, top * 1.15))
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    savefig(fig, path)

@@ -5,30 +5,56 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import make_ctx, run_cli
 from pipeline.data.render import render_formula
 
 pytestmark = pytest.mark.slow
 
 
-def test_evaluate_on_real_eval_split_subset(corpus_root):
-    proc = run_cli("stage=evaluate", f"artifacts.dir={corpus_root}", "eval.limit=4", "eval.name=evaluate-test",
-                   "model.max_length=100", "eval.latency_samples=1", "progress=false")
+def test_evaluate_reports_eval_and_shift_splits_side_by_side(corpus_root):
+    args = ("stage=evaluate", f"artifacts.dir={corpus_root}", "eval.limit=3", "eval.name=evaluate-test",
+            "model.max_length=100", "eval.latency_samples=1", "progress=false")
+    proc = run_cli(*args)
     assert proc.returncode == 0, proc.stderr
     out = corpus_root / "evaluate-test"
     m = json.loads((out / "eval.json").read_text())
-    for key in ("n", "exact_match", "image_exact_match", "cer", "bleu", "encoder_ms_per_image",
-                "decoder_ms_per_image"):
-        assert key in m
-    assert m["n"] == 4 and 0 <= m["exact_match"] <= m["image_exact_match"] <= 1 and m["cer"] >= 0
-    assert (out / "report.md").is_file() and (out / "exact_match_by_length.png").is_file()
+    assert set(m["splits"]) == {"eval", "shift"}
+    for split, s in m["splits"].items():
+        for key in ("n", "exact_match", "image_exact_match", "cer", "bleu", "encoder_ms_per_image",
+                    "decoder_ms_per_image"):
+            assert key in s
+        assert s["n"] == 3 and 0 <= s["exact_match"] <= s["image_exact_match"] <= 1 and s["cer"] >= 0
+    assert m["splits"]["eval"]["cer"] != m["splits"]["shift"]["cer"]   # two different sets of formulas were read
+    assert m["n"] == 3 and m["exact_match"] == m["splits"]["eval"]["exact_match"]  # eval split stays on top
+    assert "shift split" in m["splits"]["shift"]["source"] and "latency_batch1" in m
+    report = (out / "report.md").read_text()
+    assert "| metric | split 'eval' | split 'shift' |" in report
+    assert (out / "exact_match_by_length.png").is_file()
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and all(r["steps"] >= 1 for r in rows)
+    shift_ids = {f.id for f in make_ctx(corpus_root).split("shift")[:3]}
+    assert len(rows) == 6 and all(r["steps"] >= 1 for r in rows)
+    assert {r["id"] for r in rows if r["split"] == "shift"} == shift_ids
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["metrics"]["n"] == 4 and "eval.json" in manifest["outputs"]
-    again = run_cli("stage=evaluate", f"artifacts.dir={corpus_root}", "eval.limit=4", "eval.name=evaluate-test",
-                    "model.max_length=100", "eval.latency_samples=1", "progress=false")
-    assert "reused" in again.stdout
+    assert manifest["metrics"]["splits"]["shift"]["n"] == 3 and "eval.json" in manifest["outputs"]
+    assert {"split:eval", "split:shift", "model"} <= set(manifest["inputs"])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[evaluate] ")]
+    assert any(ln.startswith("[evaluate] eval: n=3") for ln in lines)
+    assert any(ln.startswith("[evaluate] shift: n=3") for ln in lines)
+    again = run_cli(*args)
+    assert "reused" in again.stdout and "[evaluate] shift: n=3" in again.stdout
+
+    one = run_cli(*args[:-1], "eval.split=shift", "eval.limit=2", "eval.name=evaluate-shift", "eval.latency_samples=0")
+    assert one.returncode == 0, one.stderr
+    m1 = json.loads((corpus_root / "evaluate-shift" / "eval.json").read_text())
+    assert m1["n"] == 2 and "splits" not in m1 and "shift split" in m1["source"]
+    assert "| metric | value |" in (corpus_root / "evaluate-shift" / "report.md").read_text()
+
+
+def test_evaluate_split_errors_are_one_line(corpus_root):
+    for override, words in (("eval.splits=[]", "eval.splits is empty"), ("eval.split=nosuch", "'nosuch' is empty"),
+                            ("eval.splits=[eval,eval]", "names a split twice")):
+        proc = run_cli("stage=evaluate", f"artifacts.dir={corpus_root}", override, "progress=false")
+        assert proc.returncode == 2 and words in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
 def test_evaluate_formulas_file_and_image_folder(tmp_path):

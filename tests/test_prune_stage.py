@@ -46,6 +46,17 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
     for name in ("report.md", "head_scores.png", "head_scores.json", "model/model.safetensors"):
         assert (out / name).is_file(), name
     assert "| original |" in (out / "report.md").read_text()
+    # every variant is scored on the eval split and the shift split, side by side
+    from tiny_model import SHIFT_FORMULAS
+    for variant in v.values():
+        assert set(variant["splits"]) == {"eval", "shift"} and variant["splits"]["shift"]["n"] == 4
+        assert variant["exact_match"] == variant["splits"]["eval"]["exact_match"]
+    assert len(SHIFT_FORMULAS) > 4  # eval_limit=4 of each split
+    after, orig = v["pruned, after recovery"]["splits"]["shift"], v["original"]["splits"]["shift"]
+    assert m["splits"]["shift"]["cer"] == after["cer"] and m["splits"]["shift"]["cer_original"] == orig["cer"]
+    assert m["holds_on_every_split"] == all(s["holds"] for s in m["splits"].values())
+    report = (out / "report.md").read_text()
+    assert "exact match (shift)" in report and "CER (eval)" in report and "| shift | 4 |" in report
     scores = json.loads((out / "head_scores.json").read_text())
     assert set(scores["scores"]) == {"l2_qkv", "l2_qkvo", "random", "gradient", "ablation"}
     # the stage's model is what every later stage loads by name
@@ -145,7 +156,7 @@ def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_
     shutil.copytree(corpus_root / "corpus", root / "corpus")
     proc = run_cli("-m", "stage=prune", f"artifacts.dir={root}", f"prune.model={tiny_folder}", "model.threads=1",
                    *FAST, "prune.compare_random=false", "prune.finetune_steps=0", "prune.num_heads=1,2",
-                   timeout=600)
+                   "prune.eval_splits=[eval]", timeout=600)  # the launcher is under test, not the splits
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Joblib.Parallel(n_jobs=2" in proc.stdout + proc.stderr
     jobs = [p for p in root.glob("prune-*") if (p / "model").is_dir()]
@@ -154,3 +165,11 @@ def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_
     removed = sorted(json.loads((p / "manifest.json").read_text())["metrics"]["heads_removed"] for p in jobs)
     assert removed == [1, 2]
     assert not (root / "prune").exists()
+
+
+def test_holds_needs_both_tolerances_on_a_split():
+    cfg = prune.PruneConfig()  # 1 point exact match, 5 % relative CER
+    original = {"n": 10, "exact_match": 0.55, "cer": 0.20}
+    assert prune._holds({"n": 10, "exact_match": 0.545, "cer": 0.209}, original, cfg)["holds"]
+    assert not prune._holds({"n": 10, "exact_match": 0.535, "cer": 0.19}, original, cfg)["holds"]   # exact match
+    assert not prune._holds({"n": 10, "exact_match": 0.56, "cer": 0.211}, original, cfg)["holds"]   # CER

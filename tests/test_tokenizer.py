@@ -168,6 +168,21 @@ def test_same_data_gives_byte_identical_tokenizer_json(trained):
     assert again.tokenizer.to_str(pretty=True) == trained.tokenizer.to_str(pretty=True)
 
 
+def test_min_formulas_drops_merges_only_one_formula_uses():
+    lone = r"\zeta\varpi \zeta\varpi \zeta\varpi \zeta\varpi"  # frequent pair, but in one formula only
+    formulas = [normalize_formula(f) for f in TRAIN] + [lone]
+    per_occurrence = train_formula_bpe(formulas, 1400, known_commands=renderer_commands(), min_formulas=1)
+    per_formula = train_formula_bpe(formulas, 1400, known_commands=renderer_commands(), min_formulas=2)
+    assert "\\zeta\\varpi" in per_occurrence.tokenizer.get_vocab()
+    assert "\\zeta\\varpi" not in per_formula.tokenizer.get_vocab()
+    assert per_formula.learned_merges > 0 and "^{2}" in per_formula.tokenizer.get_vocab()
+    # every learned token occurs in at least two training formulas
+    inv = per_formula.tokenizer.get_vocab()
+    learned = [t for t in inv if inv[t] >= len(inv) - per_formula.learned_merges - len(per_formula.whole_commands)
+               and t not in per_formula.whole_commands]
+    assert learned and all(sum(t.strip() in f for f in formulas) >= 2 for t in learned)
+
+
 def test_vocab_smaller_than_alphabet_is_refused():
     with pytest.raises(PipelineError, match=r"smaller than the atom alphabet: .* use at least \d+"):
         train_formula_bpe([normalize_formula(f) for f in TRAIN], 100, known_commands=renderer_commands())
@@ -202,7 +217,11 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 def _stage_overrides(tmp_path: Path, train: Path, extra: list[str] = ()) -> list[str]:
     evals = _write(tmp_path / "eval.txt", HARD + TRAIN[:10])
-    return [f"tokenizer.corpus={train}", f"tokenizer.eval_formulas={evals}", "tokenizer.vocab_size=1400",
+    # unseen in training, but commands the renderer knows (one it does not, \binom, would be spelled in pieces)
+    shift = _write(tmp_path / "shift.txt", [r"\oint_{C} \vec{F} \cdot d\vec{r}", r"\hat{p}^{k} \otimes q",
+                                              r"\Gamma(z+1) = z\,\Gamma(z)", r"\zeta(s) = \sum_{n} n^{-s}"])
+    return [f"tokenizer.corpus={train}", f"tokenizer.eval_formulas={evals}", f"tokenizer.shift_formulas={shift}",
+            "tokenizer.vocab_size=1400", "tokenizer.curve_sizes=[200,1400,1500]",
             "tokenizer.replay_requests=3000", "tokenizer.timing_repeats=1", *extra]
 
 
@@ -236,7 +255,18 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     # decode steps saved need no model; milliseconds need a measured step cost, none is invented
     assert m["decode_steps_saved_vs_char"] > 0 and m["decode_step_ms"] is None
     assert m["decode_ms_saved_vs_char"] is None and "Decoder step cost: unknown" in report
-    assert manifest["outputs"]["tokenizer.json"] and manifest["inputs"]["train"]
+    assert manifest["outputs"]["tokenizer.json"] and manifest["inputs"]["train"] and manifest["inputs"]["shift"]
+    sh = m["shift"]                                        # the shift set, side by side
+    assert sh["formulas"] == 4 and sh["tokenizers"]["ours: atom BPE"]["commands_split"] == 0
+    assert sh["reduction_vs_char"] == pytest.approx(
+        sh["tokenizers"]["char-level (model today)"]["tokens_mean"] / sh["tokenizers"]["ours: atom BPE"]["tokens_mean"])
+    cv = m["curve"]                                        # tokens per formula against vocabulary size
+    assert [r["size"] for r in cv["rows"]] == [1400, 1500] and cv["skipped_sizes"] == [200]
+    assert set(cv["rows"][0]["tokens"]) == {"held-out train", "eval", "shift"}
+    assert cv["chosen_size"] in (1400, 1500)
+    assert cv["rows"][1]["tokens"]["eval"] <= cv["rows"][0]["tokens"]["eval"]  # more entries, no more tokens
+    assert (folder / "tokens_vs_vocab_size.png").is_file() and "## Tokens per formula against vocabulary size" in report
+    assert "## On formulas training never saw (shift split)" in report
     before = (folder / "tokenizer.json").read_bytes()
     again = stage.run(cfg, make_ctx(art, overrides + ["artifacts.force=true"]))
     assert (folder / "tokenizer.json").read_bytes() == before  # same config + seed: same bytes
@@ -264,6 +294,15 @@ def test_bad_corpus_is_one_clear_error_and_no_artifact(tmp_path, content, messag
     with pytest.raises(PipelineError, match=message):
         stage.run(stage.TokenizerConfig(**ctx.section("tokenizer")), ctx)
     assert not (tmp_path / "art" / "tokenizer").exists()
+
+
+def test_training_on_the_shift_split_is_refused(tmp_path):
+    from pipeline.stages import tokenizer as stage
+
+    ctx = make_ctx(tmp_path / "art", ["tokenizer.split=shift"])
+    with pytest.raises(PipelineError, match="never for training"):
+        stage.run(stage.TokenizerConfig(**ctx.section("tokenizer")), ctx)
+    assert not (tmp_path / "art").exists()
 
 
 def test_cli_small_vocab_exits_2_with_one_line(tmp_path):

@@ -37,6 +37,16 @@ def build_tiny(encoder_layers: int = 2, seed: int = 0):
     return adapter
 
 
+SHIFT_FORMULAS = ["\\Gamma(z)", "\\binom{n}{k}", "n!", "\\zeta(s)", "\\log x", "\\delta_{ij}"]
+
+
+def tiny_shift():
+    from pipeline.data.corpus import Formula
+    from pipeline.metrics import normalize
+
+    return [Formula(f"s{i:03d}", t, normalize(t), "shift", "tests") for i, t in enumerate(SHIFT_FORMULAS)]
+
+
 def tiny_corpus():
     from pipeline.data.corpus import Formula
     from pipeline.metrics import normalize
@@ -46,7 +56,8 @@ def tiny_corpus():
 
 
 def fake_ctx(artifacts_dir, overrides=None):
-    """A StageContext whose corpus is :data:`FORMULAS` (the real corpus takes minutes to build)."""
+    """A StageContext whose corpus is :data:`FORMULAS` and shift split :data:`SHIFT_FORMULAS` (the real
+    ones take minutes to build)."""
     from conftest import compose_cfg
 
     from pipeline.context import StageContext
@@ -57,5 +68,8 @@ def fake_ctx(artifacts_dir, overrides=None):
 
         def corpus(self):
             return list(self.formulas)
+
+        def shift_split(self):
+            return tiny_shift()
 
     return TinyCorpusContext(compose_cfg([f"artifacts.dir={artifacts_dir}", "progress=false", *(overrides or [])]))

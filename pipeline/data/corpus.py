@@ -9,6 +9,7 @@ depend on what else is in the corpus.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -27,8 +28,13 @@ from pipeline.metrics import normalize
 from pipeline.pools import process_pool
 
 SPLITS = ("train", "calib", "eval")
+SHIFT = "shift"  # formulas from packages the corpus never read (pipeline.context: corpus-shift)
 _ROLE = re.compile(r":math:`([^`]+)`")
 _DIRECTIVE = re.compile(r"^([ \t]*)\.\. math::[ \t]*(.*)$", re.M)
+# docutils also reads ``.. math ::`` (one space before the colons), mpmath's spelling. The corpus is
+# built without it (its splits and every figure measured on them stay as they are); the shift split
+# reads both spellings.
+_DIRECTIVE_SPACED = re.compile(r"^([ \t]*)\.\. math ?::[ \t]*(.*)$", re.M)
 # Multi-line layouts mathtext cannot draw.
 _UNSUPPORTED = re.compile(r"\\\\|&|\\begin|\\end|\\label|\\tag|\\require|\\newcommand|\\def|\\eqref|\\ref\b|%")
 
@@ -52,7 +58,7 @@ def package_files(package: str) -> list[tuple[str, str]]:
     return [(str(dist.locate_file(rel)), rel) for rel in files]
 
 
-def file_formulas(path: str) -> list[str]:
+def file_formulas(path: str, spaced_directive: bool = False) -> list[str]:
     """Formulas in the string literals of one source file (parsed with ``ast``, never imported)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -63,8 +69,9 @@ def file_formulas(path: str) -> list[str]:
         return []
     found: list[str] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and "math:" in node.value:
-            found.extend(extract_math(node.value))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                "math:" in node.value or (spaced_directive and "math ::" in node.value)):
+            found.extend(extract_math(node.value, spaced_directive))
     return found
 
 
@@ -101,11 +108,11 @@ def _pool_map(fn, items: list, workers: int, desc: str, progress: bool) -> list:
     return out
 
 
-def extract_math(doc: str) -> list[str]:
+def extract_math(doc: str, spaced_directive: bool = False) -> list[str]:
     found = [m.group(1) for m in _ROLE.finditer(doc)]
     lines = doc.splitlines()
     for i, line in enumerate(lines):
-        m = _DIRECTIVE.match(line)
+        m = (_DIRECTIVE_SPACED if spaced_directive else _DIRECTIVE).match(line)
         if not m:
             continue
         indent, inline = len(m.group(1).expandtabs()), m.group(2).strip()
@@ -151,16 +158,12 @@ def assign_split(norm: str, seed: int, shares: dict[str, float]) -> str:
     return SPLITS[-1]
 
 
-def build_corpus(packages: Iterable[str], seed: int, shares: dict[str, float], min_chars: int,
-                 max_chars: int, max_width_px: int, max_height_px: int, progress: bool = True,
-                 workers: int | None = None) -> list[Formula]:
-    """Extract, filter (renderable, size), de-duplicate and split. Deterministic for pinned packages."""
-    total = sum(shares.get(s, 0.0) for s in SPLITS)
-    if abs(total - 1.0) > 1e-6:
-        raise PipelineError(f"data split shares must sum to 1, got {total}")
-    workers = workers or os.cpu_count() or 1
+def _candidates(packages: Iterable[str], min_chars: int, max_chars: int, workers: int, progress: bool,
+                spaced_directive: bool = False) -> list[tuple[str, tuple[str, str]]]:
+    """(normalized, (first spelling, source)) of every kept formula of ``packages``, sorted, de-duplicated."""
     files = [(pkg, path, rel) for pkg in packages for path, rel in package_files(pkg)]
-    per_file = _pool_map(file_formulas, [f[1] for f in files], workers, "read docstrings", progress)
+    read = functools.partial(file_formulas, spaced_directive=spaced_directive)
+    per_file = _pool_map(read, [f[1] for f in files], workers, "read docstrings", progress)
     seen: dict[str, tuple[str, str]] = {}
     for (package, _, rel), found in zip(files, per_file):
         for latex in found:
@@ -169,15 +172,46 @@ def build_corpus(packages: Iterable[str], seed: int, shares: dict[str, float], m
             norm = normalize(latex)
             if norm not in seen:
                 seen[norm] = (latex, f"{package}/{rel}")
-    candidates = sorted(seen.items())
-    sizes = _pool_map(_render_size, [latex for _, (latex, _) in candidates], workers, "render-check corpus", progress)
-    formulas: list[Formula] = []
-    for (norm, (latex, source)), size in zip(candidates, sizes):
-        if size is None or size[0] > max_width_px or size[1] > max_height_px:
-            continue  # unrenderable, or would have to shrink below the scale the model reads
-        fid = hashlib.sha1(norm.encode()).hexdigest()[:12]
-        formulas.append(Formula(fid, latex, norm, assign_split(norm, seed, shares), source))
-    return formulas
+    return sorted(seen.items())
+
+
+def _fitting(candidates: list[tuple[str, tuple[str, str]]], max_width_px: int, max_height_px: int,
+             workers: int, progress: bool) -> list[tuple[str, str, str]]:
+    """(normalized, latex, source) of the candidates mathtext renders within the canvas bounds."""
+    sizes = _pool_map(_render_size, [latex for _, (latex, _) in candidates], workers, "render-check formulas", progress)
+    return [(norm, latex, source) for (norm, (latex, source)), size in zip(candidates, sizes)
+            # unrenderable, or would have to shrink below the scale the model reads
+            if size is not None and size[0] <= max_width_px and size[1] <= max_height_px]
+
+
+def _formula_id(norm: str) -> str:
+    return hashlib.sha1(norm.encode()).hexdigest()[:12]
+
+
+def build_corpus(packages: Iterable[str], seed: int, shares: dict[str, float], min_chars: int,
+                 max_chars: int, max_width_px: int, max_height_px: int, progress: bool = True,
+                 workers: int | None = None) -> list[Formula]:
+    """Extract, filter (renderable, size), de-duplicate and split. Deterministic for pinned packages."""
+    total = sum(shares.get(s, 0.0) for s in SPLITS)
+    if abs(total - 1.0) > 1e-6:
+        raise PipelineError(f"data split shares must sum to 1, got {total}")
+    workers = workers or os.cpu_count() or 1
+    candidates = _candidates(packages, min_chars, max_chars, workers, progress)
+    return [Formula(_formula_id(norm), latex, norm, assign_split(norm, seed, shares), source)
+            for norm, latex, source in _fitting(candidates, max_width_px, max_height_px, workers, progress)]
+
+
+def build_shift_split(packages: Iterable[str], exclude: set[str], min_chars: int, max_chars: int,
+                      max_width_px: int, max_height_px: int, progress: bool = True,
+                      workers: int | None = None) -> list[Formula]:
+    """The shift split: formulas of packages the corpus never read, extracted and filtered like the
+    corpus, minus every formula whose normalized text is in ``exclude`` (the corpus, all splits).
+    Only for measuring: never train, calibrate or choose a default on it."""
+    workers = workers or os.cpu_count() or 1
+    candidates = [c for c in _candidates(packages, min_chars, max_chars, workers, progress, spaced_directive=True)
+                  if c[0] not in exclude]
+    return [Formula(_formula_id(norm), latex, norm, SHIFT, source)
+            for norm, latex, source in _fitting(candidates, max_width_px, max_height_px, workers, progress)]
 
 
 def write_jsonl(path: Path, formulas: Iterable[Formula]) -> None:

@@ -83,7 +83,7 @@ def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[
     if cfg.formulas:
         path = Path(cfg.formulas)
         return [ln for _, ln in files.read_formulas(path, "benchmark.formulas")], {"formulas": file_hash(path)}
-    return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+    return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.split_hash(cfg.split)}
 
 
 def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) -> tuple[np.ndarray, list[str]]:

@@ -1,15 +1,17 @@
 """Stage evaluate: exact match, image exact match, CER, BLEU-4 and latency of a model on formulas.
 
-Sources: the corpus eval split (default), ``eval.formulas=FILE`` (one LaTeX formula per line,
+Sources: the corpus eval split and the shift split side by side (default: ``eval.splits``; the
+shift split holds formulas from packages the corpus never read, see ``data.shift_packages``), one
+split (``eval.split=shift``), ``eval.formulas=FILE`` (one LaTeX formula per line,
 rendered by the project's renderer), or ``eval.images=DIR`` with a labels file
 (``<file name>\\t<latex>`` per line; ``DIR/labels.tsv`` when ``eval.labels`` is unset).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -19,7 +21,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import ImageError, PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items, latency_batch1
-from pipeline.reports import bar_plot, markdown_table
+from pipeline.reports import grouped_bar_plot, markdown_table
 
 NAME = "evaluate"
 CONFIG_KEY = "eval"
@@ -28,11 +30,12 @@ CONFIG_KEY = "eval"
 @dataclass
 class EvalConfig:
     model: str = "original"         # original | a stage with a model (prune, ...) | a model folder
-    split: str = "eval"             # corpus split when no formulas/images are given
+    split: Optional[str] = None     # one split (train|calib|eval|shift) when no formulas/images are given ...
+    splits: List[str] = field(default_factory=lambda: ["eval", "shift"])  # ... else these, side by side
     formulas: Optional[str] = None  # file: one LaTeX formula per line
     images: Optional[str] = None    # folder of formula images ...
     labels: Optional[str] = None    # ... and their labels: "<file name>\t<latex>" per line
-    limit: Optional[int] = None     # take the first N
+    limit: Optional[int] = None     # take the first N (of each split)
     image_match: bool = True        # im2latex image exact match (renders every prediction)
     use_cache: bool = True          # KV-cached decoding for the accuracy pass (same tokens, ~5x faster)
     latency_samples: int = 4        # images timed again at batch 1, shipped decoder and KV-cached
@@ -42,7 +45,20 @@ class EvalConfig:
 Config = EvalConfig
 
 
-def load_items(cfg: EvalConfig, ctx: StageContext, adapter) -> tuple[list[EvalItem], dict[str, str], str]:
+def sources(cfg: EvalConfig) -> list[Optional[str]]:
+    """What to evaluate: [None] for a formulas file or image folder, else the corpus splits."""
+    if cfg.formulas or cfg.images:
+        return [None]
+    splits = [cfg.split] if cfg.split else list(cfg.splits)
+    if not splits:
+        raise PipelineError("eval.splits is empty: name at least one split (eval, shift ...)")
+    if len(set(splits)) != len(splits):
+        raise PipelineError(f"eval.splits names a split twice: {splits}")
+    return splits
+
+
+def load_items(cfg: EvalConfig, ctx: StageContext, adapter,
+               split: Optional[str] = None) -> tuple[list[EvalItem], dict[str, str], str]:
     """The (image, truth) pairs to evaluate, their input hashes, and a description of the source."""
     if cfg.formulas and cfg.images:
         raise PipelineError("give eval.formulas or eval.images, not both")
@@ -55,10 +71,11 @@ def load_items(cfg: EvalConfig, ctx: StageContext, adapter) -> tuple[list[EvalIt
         pairs = [(f"line{i}", ln) for i, ln in files.read_formulas(path, "eval.formulas")]
         source, inputs = f"file {path}", {"formulas": file_hash(path)}
     else:
-        formulas = ctx.split(cfg.split)
+        split = split or cfg.split or "eval"
+        formulas = ctx.split(split)
         pairs = [(f.id, f.latex) for f in formulas]
-        source = f"corpus split '{cfg.split}'"
-        inputs = {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+        source = "shift split (packages the corpus never read)" if split == "shift" else f"corpus split '{split}'"
+        inputs = {f"split:{split}": ctx.split_hash(split)}
     if cfg.limit:
         pairs = pairs[:cfg.limit]
     if not pairs:
@@ -104,7 +121,12 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     name = cfg.name or ("evaluate" if cfg.model in ("original", "package") else f"evaluate-{Path(cfg.model).name}")
     adapter = ctx.load_model(cfg.model)
-    items, inputs, source = load_items(cfg, ctx, adapter)
+    loaded: dict[str, tuple[list[EvalItem], str]] = {}  # split (or "input") -> items, source
+    inputs: dict[str, str] = {}
+    for split in sources(cfg):
+        items, split_inputs, source = load_items(cfg, ctx, adapter, split)
+        loaded[split or "input"] = (items, source)
+        inputs.update(split_inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
     config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
     with ctx.output(name, config, inputs) as out:
@@ -112,9 +134,19 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
             print(f"[evaluate] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
-        result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size),
-                                image_match=cfg.image_match, progress=ctx.progress, use_cache=cfg.use_cache)
-        metrics = result["metrics"]
+        per_split: dict[str, dict] = {}
+        rows: list[dict] = []
+        for key, (items, source) in loaded.items():
+            result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size),
+                                    image_match=cfg.image_match, progress=ctx.progress, use_cache=cfg.use_cache,
+                                    desc=f"decode {key}")
+            per_split[key] = {**result["metrics"], "source": source, "model": cfg.model}
+            rows += [{"split": key, **r} for r in result["rows"]]
+        first = next(iter(loaded))
+        metrics = dict(per_split[first])  # the first split's figures stay at the top level, as before
+        if len(per_split) > 1:
+            metrics["splits"] = per_split
+        items = loaded[first][0]
         k = min(cfg.latency_samples, len(items))
         if k:
             import torch
@@ -122,60 +154,96 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
             metrics["latency_batch1"] = latency_batch1(adapter, sample, int(mcfg.max_length))
             if adapter.cached_decoder() is not None:
                 metrics["latency_batch1_cached"] = latency_batch1(adapter, sample, int(mcfg.max_length), use_cache=True)
-        metrics["source"] = source
-        metrics["model"] = cfg.model
         out.metrics.update(metrics)
         (out.path / "eval.json").write_text(json.dumps(metrics, indent=2))
         with open(out.path / "predictions.jsonl", "w", encoding="utf-8") as f:
-            for row in result["rows"]:
+            for row in rows:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        _write_report(out.path, metrics, result["rows"])
+        _write_report(out.path, metrics, rows)
     _print_summary(metrics)
     return out.manifest
 
 
+def _by_split(m: dict) -> dict[str, dict]:
+    return m.get("splits") or {"": m}
+
+
 def _print_summary(m: dict) -> None:
-    ie = m.get("image_exact_match")
-    print(f"[evaluate] n={m['n']} exact_match={m['exact_match']:.3f} "
-          f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={m['cer']:.3f} bleu={m['bleu']:.3f} "
-          f"encoder={m['encoder_ms_per_image']:.1f} ms/img decoder={m['decoder_ms_per_image']:.1f} ms/img "
-          f"(batch {m['batch_size']}, cap {m['max_length']}, {'KV cache' if m.get('kv_cache') else 'full prefix'})", flush=True)
+    for split, s in _by_split(m).items():
+        ie = s.get("image_exact_match")
+        print(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
+              f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
+              f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
+              f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})",
+              flush=True)
+
+
+_LENGTH_BUCKETS = [(0, 10), (10, 20), (20, 40), (40, 80), (80, 10**9)]
+
+
+def _exact_by_length(rows: list[dict]) -> dict[str, tuple[float, int]]:
+    from pipeline.metrics import normalize
+    out = {}
+    for lo, hi in _LENGTH_BUCKETS:
+        sel = [r for r in rows if lo <= len(normalize(r["truth"])) < hi]
+        if sel:
+            out[f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+"] = (float(np.mean([r["exact"] for r in sel])), len(sel))
+    return out
+
+
+def _fmt(v, digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
 
 
 def _write_report(folder: Path, m: dict, rows: list[dict]) -> None:
-    from pipeline.metrics import normalize
-    buckets = [(0, 10), (10, 20), (20, 40), (40, 80), (80, 10**9)]
-    labels, ems, counts = [], [], []
-    for lo, hi in buckets:
-        sel = [r for r in rows if lo <= len(normalize(r["truth"])) < hi]
-        if sel:
-            labels.append(f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+")
-            ems.append(float(np.mean([r["exact"] for r in sel])))
-            counts.append(len(sel))
-    bar_plot(folder / "exact_match_by_length.png", labels, ems,
-             title="Exact match by normalized formula length", ylabel="exact match", annotations=counts)
+    splits = _by_split(m)
+    names = list(splits)
+    by_length = {n: _exact_by_length([r for r in rows if r.get("split", "") == n or n == ""]) for n in names}
+    labels = [lab for lab in (f"{lo}-{hi - 1}" if hi < 10**9 else f"{lo}+" for lo, hi in _LENGTH_BUCKETS)
+              if any(lab in b for b in by_length.values())]
+    grouped_bar_plot(folder / "exact_match_by_length.png", labels,
+                     {n or "exact match": [by_length[n].get(lab, (0.0, 0))[0] for lab in labels] for n in names},
+                     annotations={n or "exact match": [by_length[n].get(lab, (0.0, 0))[1] for lab in labels]
+                                  for n in names},
+                     title="Exact match by normalized formula length", ylabel="exact match")
     lat = m.get("latency_batch1") or {}
     latc = m.get("latency_batch1_cached") or {}
-    table = markdown_table(["metric", "value"], [
-        ["formulas (n)", m["n"]], ["source", m["source"]], ["model", m["model"]],
-        ["exact match (normalized text)", f"{m['exact_match']:.3f}"],
-        ["image exact match", "n/a" if m["image_exact_match"] is None else f"{m['image_exact_match']:.3f}"],
-        ["CER (corpus)", f"{m['cer']:.3f}"], ["CER (mean per formula)", f"{m['cer_mean']:.3f}"],
-        ["BLEU-4 (LaTeX atoms)", f"{m['bleu']:.3f}"],
-        ["stopped at the length cap", f"{m['hit_cap_share']:.3f} (cap {m['max_length']})"],
-        [f"encoder ms / image (batch {m['batch_size']})", f"{m['encoder_ms_per_image']:.1f}"],
-        [f"decoder ms / image (batch {m['batch_size']})", f"{m['decoder_ms_per_image']:.1f}"],
-        ["encoder ms / image (batch 1)", f"{lat.get('encoder_ms', float('nan')):.1f}"],
-        ["decoder ms / image (batch 1, shipped full-prefix decoder)", f"{lat.get('decoder_ms', float('nan')):.1f}"],
-        ["decoder ms / step (batch 1, shipped)", f"{lat.get('decoder_ms_per_step', float('nan')):.1f}"],
-        ["decoder ms / image (batch 1, KV-cached)", f"{latc.get('decoder_ms', float('nan')):.1f}"],
-        ["accuracy pass decoded with", "KV cache" if m.get("kv_cache") else "full prefix (as shipped)"],
+
+    def row(label: str, fn) -> list:
+        return [label, *(fn(s) for s in splits.values())]
+
+    header = ["metric", *(f"split '{n}'" if n else "value" for n in names)]
+    table = markdown_table(header, [
+        row("formulas (n)", lambda s: s["n"]), row("source", lambda s: s["source"]),
+        row("model", lambda s: s["model"]),
+        row("exact match (normalized text)", lambda s: _fmt(s["exact_match"])),
+        row("image exact match", lambda s: _fmt(s["image_exact_match"])),
+        row("CER (corpus)", lambda s: _fmt(s["cer"])), row("CER (mean per formula)", lambda s: _fmt(s["cer_mean"])),
+        row("BLEU-4 (LaTeX atoms)", lambda s: _fmt(s["bleu"])),
+        row("stopped at the length cap", lambda s: f"{s['hit_cap_share']:.3f} (cap {s['max_length']})"),
+        row(f"encoder ms / image (batch {m['batch_size']})", lambda s: _fmt(s["encoder_ms_per_image"], 1)),
+        row(f"decoder ms / image (batch {m['batch_size']})", lambda s: _fmt(s["decoder_ms_per_image"], 1)),
+        row("accuracy pass decoded with", lambda s: "KV cache" if s.get("kv_cache") else "full prefix (as shipped)"),
     ])
-    misses = [r for r in rows if not r["exact"]][:15]
-    miss_table = markdown_table(["truth", "prediction", "CER"],
-                                [[f"`{r['truth']}`", f"`{r['pred'][:120]}`", f"{r['cer']:.2f}"] for r in misses])
+    latency = markdown_table(["latency at batch 1" + (f" (split '{names[0]}', {lat.get('n', 0)} image(s))" if names[0]
+                                                      else f" ({lat.get('n', 0)} image(s))"), "value"], [
+        ["encoder ms / image", f"{lat.get('encoder_ms', float('nan')):.1f}"],
+        ["decoder ms / image (shipped full-prefix decoder)", f"{lat.get('decoder_ms', float('nan')):.1f}"],
+        ["decoder ms / step (shipped)", f"{lat.get('decoder_ms_per_step', float('nan')):.1f}"],
+        ["decoder ms / image (KV-cached)", f"{latc.get('decoder_ms', float('nan')):.1f}"],
+    ])
+    misses = []
+    for n in names:
+        misses += [r for r in rows if not r["exact"] and (r.get("split", "") == n or n == "")][:15 if len(names) == 1 else 8]
+    miss_table = markdown_table(["split", "truth", "prediction", "CER"] if names[0] else ["truth", "prediction", "CER"],
+                                [([r["split"]] if names[0] else []) + [f"`{r['truth']}`", f"`{r['pred'][:120]}`",
+                                                                       f"{r['cer']:.2f}"] for r in misses])
+    shift_note = ("\n\nThe shift split holds formulas from packages the corpus never read (`data.shift_packages`), "
+                  "minus any formula whose normalized text is in the corpus; it is never used for training, "
+                  "calibration or choosing defaults.") if "shift" in names else ""
     (folder / "report.md").write_text(
-        "# Evaluation\n\n" + table + "\n\n![exact match by length](exact_match_by_length.png)\n\n"
+        "# Evaluation\n\n" + table + shift_note + "\n\n" + latency +
+        "\n\n![exact match by length](exact_match_by_length.png)\n\n"
         "Normalization before comparing: display-math wrappers stripped, layout-only tokens "
         "(`\\left`, `\\,`, `\\quad`, `&`, `\\\\` ...) dropped, braces around single-token scripts "
         "removed, whitespace removed (see `pipeline/metrics.py`).\n\n## First misses\n\n" + miss_table + "\n")

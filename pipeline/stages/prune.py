@@ -4,7 +4,8 @@ Heads are scored (``l2_qkv``, ``l2_qkvo``, ``random``, ``gradient``, ``ablation`
 removed globally (``prune.num_heads``, ``prune.ratio`` or ``prune.flops_reduction``, keeping
 ``prune.min_heads_per_layer``), the q/k/v/out matrices are physically sliced, and the model is
 recovered by distillation from the original on rendered train-split formulas. The report compares
-original / pruned before recovery / after recovery / random heads at the same count.
+original / pruned before recovery / after recovery / random heads at the same count, on the eval
+split and on the shift split (formulas from packages training never saw), side by side.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import json
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -61,7 +62,10 @@ class PruneConfig:
     finetune_images: int = 64        # train formulas the finetune cycles over
     lr: float = 5e-5
     iterations: int = 1              # prune in this many rounds, recovering after each
-    eval_limit: Optional[int] = 50   # eval-split formulas scored per variant (None = the whole split)
+    eval_limit: Optional[int] = 50   # formulas of each split scored per variant (None = the whole split)
+    eval_splits: List[str] = field(default_factory=lambda: ["eval", "shift"])  # scored side by side
+    em_tolerance: float = 0.01       # "holds": exact match at most this far below the original ...
+    cer_tolerance: float = 0.05      # ... and CER at most this much higher, relative, on every split
     compare_random: bool = True      # also prune random heads (same count, same recovery)
     latency_images: int = 4          # images timed at batch 1 for encoder latency
     use_cache: bool = True           # evaluate with the adapter's KV-cached decoder (same tokens, faster)
@@ -96,6 +100,8 @@ def _validate(cfg: PruneConfig) -> None:
         raise PipelineError("prune.lr and prune.distill_lr must be > 0")
     if cfg.eval_limit is not None and cfg.eval_limit <= 0:
         raise PipelineError(f"prune.eval_limit must be positive, got {cfg.eval_limit}")
+    if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
+        raise PipelineError(f"prune.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
     if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
         raise PipelineError(f"prune.name must be a plain folder name, got {cfg.name!r}")
 
@@ -193,6 +199,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
               "max_length": max_length, "batch_size": batch_size}
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
+    if "shift" in cfg.eval_splits:  # after the head scores: their cache does not depend on it
+        inputs["shift"] = sha256_json([(f.id, f.latex) for f in ctx.split("shift")])
 
     with ctx.output(name, config, inputs) as out:
         if out.reused:
@@ -238,7 +246,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             recovery_log["random"] = rnd_log
 
         pruned.save(out.path / "model")
-        reload_ok = _reload_identical(ctx, out.path / "model", pruned, eval_items)
+        reload_ok = _reload_identical(ctx, out.path / "model", pruned, next(iter(eval_items.values())))
         if not reload_ok:
             raise PipelineError("the saved pruned model does not reload with identical outputs")
 
@@ -255,9 +263,12 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "encoder_heads": pruned.encoder_head_counts(),
             "flops_per_head": per_head, "spearman_vs_ablation": correlations,
             "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
-            "eval_n": len(eval_items), "max_length": max_length,
+            "eval_n": len(next(iter(eval_items.values()))), "max_length": max_length,
         }
         final = variants.get("pruned, after recovery", variants["pruned, before recovery"])
+        metrics["splits"] = {split: _holds(final["splits"][split], variants["original"]["splits"][split], cfg)
+                             for split in eval_items}
+        metrics["holds_on_every_split"] = all(v["holds"] for v in metrics["splits"].values())
         metrics.update({
             "exact_match": final["exact_match"], "cer": final["cer"],
             "exact_match_original": variants["original"]["exact_match"],
@@ -329,34 +340,56 @@ def _share(total: int, r: int, rounds: int) -> int:
     return total // rounds + (1 if r < total % rounds else 0)
 
 
-def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> list[EvalItem]:
-    formulas = ctx.split("eval")
-    limit = cfg.eval_limit or len(formulas)
-    images, latex, ids = _render(adapter, formulas, limit, ctx.progress, "render eval")
-    return [EvalItem(i, t, x) for i, t, x in zip(ids, latex, images)]
+def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> dict[str, list[EvalItem]]:
+    """The first ``eval_limit`` renderable formulas of each of ``cfg.eval_splits``."""
+    items = {}
+    for split in cfg.eval_splits:
+        formulas = ctx.split(split)
+        limit = cfg.eval_limit or len(formulas)
+        images, latex, ids = _render(adapter, formulas, limit, ctx.progress, f"render {split}")
+        items[split] = [EvalItem(i, t, x) for i, t, x in zip(ids, latex, images)]
+    return items
 
 
-def _measure(adapter, original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, desc: str) -> dict:
+def _measure(adapter, original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx: StageContext,
+             desc: str) -> dict:
+    """Size, encoder cost and accuracy on every split; the first split's accuracy also on top."""
     mcfg = ctx.cfg.model
-    result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
-                            progress=ctx.progress, desc=f"decode {desc}", use_cache=cfg.use_cache)["metrics"]
-    k = min(cfg.latency_images, len(items))
-    lat = count.encoder_latency_ms(adapter, torch.stack([it.image for it in items[:k]])) if k else float("nan")
+    splits = {}
+    for split, split_items in items.items():
+        r = evaluate_items(adapter, split_items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
+                           progress=ctx.progress, desc=f"decode {desc} ({split})", use_cache=cfg.use_cache)["metrics"]
+        splits[split] = {"n": r["n"], "exact_match": r["exact_match"], "cer": r["cer"], "bleu": r["bleu"],
+                         "hit_cap_share": r["hit_cap_share"]}
+    first = next(iter(items.values()))
+    k = min(cfg.latency_images, len(first))
+    lat = count.encoder_latency_ms(adapter, torch.stack([it.image for it in first[:k]])) if k else float("nan")
     return {
         "params": count.parameters(adapter),
         "attention_params": count.attention_parameters(adapter),
         "encoder_gflops": count.encoder_flops(adapter) / 1e9,
         "encoder_ms_batch1": lat,
-        "exact_match": result["exact_match"], "cer": result["cer"], "bleu": result["bleu"],
-        "hit_cap_share": result["hit_cap_share"],
+        **{key: next(iter(splits.values()))[key] for key in ("exact_match", "cer", "bleu", "hit_cap_share")},
+        "splits": splits,
         "encoder_heads": adapter.encoder_head_counts(),
     }
 
 
-def _baseline(original, items: list[EvalItem], cfg: PruneConfig, ctx: StageContext, inputs: dict) -> dict:
+def _holds(pruned: dict, original: dict, cfg: PruneConfig) -> dict:
+    """Whether the pruned model stays within the tolerances of the original on one split."""
+    em_drop = original["exact_match"] - pruned["exact_match"]
+    cer_rel = pruned["cer"] / original["cer"] - 1 if original["cer"] else float(pruned["cer"] > 0)
+    return {"n": pruned["n"], "exact_match": pruned["exact_match"], "exact_match_original": original["exact_match"],
+            "cer": pruned["cer"], "cer_original": original["cer"], "exact_match_drop": em_drop,
+            "cer_relative_change": cer_rel,
+            "holds": em_drop <= cfg.em_tolerance + 1e-12 and cer_rel <= cfg.cer_tolerance + 1e-12}
+
+
+def _baseline(original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx: StageContext, inputs: dict) -> dict:
     """The original's row of the table, cached: every job of a sweep shares it."""
     mcfg = ctx.cfg.model
-    config = {"eval_limit": cfg.eval_limit, "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
+    config = {"eval_limit": cfg.eval_limit, "eval_splits": list(cfg.eval_splits),
+              "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
               "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
     # one folder per configuration, so sweeps with different eval sets do not evict each other
     with ctx.output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
@@ -399,9 +432,14 @@ def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: di
 
 # ---- report -------------------------------------------------------------------------------------
 def _print_summary(m: dict) -> None:
+    splits = m.get("splits") or {"eval": {"exact_match_original": m["exact_match_original"],
+                                          "exact_match": m["exact_match"], "n": m["eval_n"]}}
+    acc = "; ".join(f"{name}: exact match {v['exact_match_original']:.3f} -> {v['exact_match']:.3f}"
+                    + (f", CER {v['cer_original']:.3f} -> {v['cer']:.3f}" if "cer" in v else "")
+                    + f" (n={v['n']})" for name, v in splits.items())
     print(f"[prune] {m['criterion']}: {m['heads_removed']}/{m['heads_total']} heads removed, encoder "
           f"{m['encoder_gflops_original']:.2f} -> {m['encoder_gflops']:.2f} GFLOPs ({m['flops_reduction']:.1%} less), "
-          f"exact match {m['exact_match_original']:.3f} -> {m['exact_match']:.3f} (n={m['eval_n']})", flush=True)
+          f"{acc}", flush=True)
 
 
 def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, removed: dict, head_counts) -> None:
@@ -427,12 +465,21 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
     savefig(fig, folder / "head_scores.png")
 
     rows = []
+    splits = list(m["splits"])
     for label, v in m["variants"].items():
         rows.append([label, "/".join(map(str, v["encoder_heads"])), f"{v['params']:,}", f"{v['attention_params']:,}",
-                     f"{v['encoder_gflops']:.2f}", f"{v['encoder_ms_batch1']:.1f}", f"{v['exact_match']:.3f}",
-                     f"{v['cer']:.3f}", f"{v['hit_cap_share']:.2f}"])
+                     f"{v['encoder_gflops']:.2f}", f"{v['encoder_ms_batch1']:.1f}",
+                     *(f"{v['splits'][s]['exact_match']:.3f}" for s in splits),
+                     *(f"{v['splits'][s]['cer']:.3f}" for s in splits),
+                     *(f"{v['splits'][s]['hit_cap_share']:.2f}" for s in splits)])
     table = markdown_table(["variant", "heads per layer", "params", "attention params", "encoder GFLOPs",
-                            "encoder ms (batch 1)", "exact match", "CER", "hit length cap"], rows)
+                            "encoder ms (batch 1)", *(f"exact match ({s})" for s in splits),
+                            *(f"CER ({s})" for s in splits), *(f"hit length cap ({s})" for s in splits)], rows)
+    holds = markdown_table(
+        ["split", "formulas", "exact match original -> pruned", "CER original -> pruned", "holds"],
+        [[s, v["n"], f"{v['exact_match_original']:.3f} -> {v['exact_match']:.3f} ({-v['exact_match_drop']:+.3f})",
+          f"{v['cer_original']:.3f} -> {v['cer']:.3f} ({v['cer_relative_change']:+.1%})", "yes" if v["holds"] else "NO"]
+         for s, v in m["splits"].items()])
     corr = markdown_table(["criterion", "Spearman vs single-head ablation"],
                           [[c, f"{v:.2f}"] for c, v in m["spearman_vs_ablation"].items()])
     rec = m.get("recovery") or {}
@@ -450,8 +497,12 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         f"# Prune\n\nCriterion `{cfg.criterion}` ({cfg.normalize}-normalized), {m['heads_removed']} of "
         f"{m['heads_total']} encoder heads removed (at least {cfg.min_heads_per_layer} kept per layer): "
         f"{m['removed']}. Encoder FLOPs per image at batch 1, `torch.utils.flop_counter`; one head costs "
-        f"{m['flops_per_head'] / 1e9:.3f} GFLOPs. Accuracy on the first {m['eval_n']} eval-split formulas, "
-        f"greedy decoding capped at {m['max_length']} tokens for every variant.\n\n{table}\n\n"
+        f"{m['flops_per_head'] / 1e9:.3f} GFLOPs. Accuracy on the first "
+        + ", ".join(f"{v['n']} formulas of the {s} split" for s, v in m["splits"].items())
+        + f" (the shift split: packages training never saw), greedy decoding capped at {m['max_length']} tokens "
+        f"for every variant.\n\n{table}\n\n"
+        f"The pruned model holds where exact match drops at most {cfg.em_tolerance:.3f} and CER rises at most "
+        f"{cfg.cer_tolerance:.0%} (relative) against the original:\n\n{holds}\n\n"
         f"![head scores](head_scores.png)\n\n## Criteria against the ground truth\n\nGround truth: the increase of "
         f"the teacher-forced loss (against the original's own reading) when one head alone is off "
         f"({cfg.score_images} rendered train formulas).\n\n"

@@ -1,7 +1,10 @@
 """Stage tokenizer: a formula-aware BPE that keeps LaTeX atoms whole, compared with char-level and plain BPE.
 
 Trains on the corpus train split (default) or ``tokenizer.corpus=FILE`` (one formula per line), and
-compares on the corpus eval split (default) or ``tokenizer.eval_formulas=FILE``. Writes
+compares on the corpus eval split (default) or ``tokenizer.eval_formulas=FILE``, and on the shift split
+(formulas from packages training never saw; or ``tokenizer.shift_formulas=FILE``). A curve of tokens
+per formula against vocabulary size, on held-out train formulas and on both eval sets, is the
+evidence for the default size; the size is chosen on the held-out train formulas only. Writes
 ``tokenizer.json`` + ``tokenizer_config.json`` (load in ``tokenizers`` and in
 ``transformers.PreTrainedTokenizerFast.from_pretrained(folder)``), the
 baseline BPE it was compared with, ``comparison.json``, ``report.md`` and a PNG plot.
@@ -9,14 +12,14 @@ baseline BPE it was compared with, ``comparison.json``, ``report.md`` and a PNG 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.errors import PipelineError
-from pipeline.tokenization import compare
+from pipeline.tokenization import compare, curve
 from pipeline.tokenization.atoms import normalize_formula, renderer_commands
 from pipeline.tokenization.report import write_report
 from pipeline.tokenization.train import (BOS, EOS, PAD, SPECIALS, UNK, model_char_vocabulary, train_formula_bpe,
@@ -31,8 +34,9 @@ BASELINE_FILE = "baseline_bytelevel_bpe.json"
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 2048              # every entry: specials, atoms, command prefixes, whole commands, merges
-    min_frequency: int = 2              # a pair of units must occur this often to become a merge
+    vocab_size: int = 2560              # every entry: specials, atoms, command prefixes, whole commands, merges
+    min_frequency: int = 2              # a pair of units must occur this often to become a merge ...
+    min_formulas: int = 2               # ... and its token in this many distinct training formulas
     max_token_atoms: Optional[int] = None  # longest learned token, in atoms (None: no cap)
     include_model_chars: bool = True    # the model's current characters join the alphabet (no new <unk>)
     renderer_commands: bool = True      # commands mathtext knows stay whole even when training lacks them
@@ -40,6 +44,11 @@ class TokenizerConfig:
     split: str = "train"                # corpus split to train on when no file is given
     eval_formulas: Optional[str] = None  # compare on this file, not the corpus split ...
     eval_split: str = "eval"            # ... which is this one
+    shift_split: Optional[str] = "shift"  # also compared on formulas training never saw (null: skip) ...
+    shift_formulas: Optional[str] = None  # ... or on this file instead
+    curve_sizes: List[int] = field(default_factory=lambda: [1536, 1792, 2048, 2560, 3072, 4096])
+    curve_holdout: float = 0.2          # share of train formulas held out to choose the size on
+    curve_tolerance: float = 0.05       # chosen size: the smallest within this of the fewest held-out tokens
     cache_capacity: int = 2048          # formulas held by the serving LRU cache
     replay_requests: int = 50000        # requests in the Zipf replay workload
     zipf_exponent: float = 1.1          # P(k-th most frequent formula) ~ 1/k^s
@@ -79,7 +88,10 @@ def read_formula_file(path_str: str, option: str) -> tuple[list[str], dict]:
 def load_formulas(cfg: TokenizerConfig, ctx: StageContext) -> tuple[dict, dict]:
     """Raw train and eval formulas with where they came from, and the input hashes."""
     sources, inputs = {}, {}
-    for role, option, split in (("train", "corpus", cfg.split), ("eval", "eval_formulas", cfg.eval_split)):
+    roles = [("train", "corpus", cfg.split), ("eval", "eval_formulas", cfg.eval_split)]
+    if cfg.shift_formulas or cfg.shift_split:
+        roles.append(("shift", "shift_formulas", cfg.shift_split))
+    for role, option, split in roles:
         path = getattr(cfg, option)
         if path:
             formulas, info = read_formula_file(path, option)
@@ -87,14 +99,22 @@ def load_formulas(cfg: TokenizerConfig, ctx: StageContext) -> tuple[dict, dict]:
             sources[role] = {"formulas": formulas, "source": f"file {path}", **info}
         else:
             formulas = [f.latex for f in ctx.split(split)]
-            inputs[role] = ctx.upstream("corpus")["outputs"]["formulas.jsonl"]
-            sources[role] = {"formulas": formulas, "source": f"corpus split '{split}'"}
+            inputs[role] = ctx.split_hash(split)
+            sources[role] = {"formulas": formulas, "source": f"{'shift' if split == 'shift' else 'corpus'} split '{split}'"}
     return sources, inputs
 
 
 def _validate(cfg: TokenizerConfig) -> None:
     if cfg.vocab_size < len(SPECIALS) + 1:
         raise PipelineError(f"tokenizer.vocab_size must be positive and hold the special tokens, got {cfg.vocab_size}")
+    if cfg.split == "shift" and not cfg.corpus:
+        raise PipelineError("tokenizer.split=shift: the shift split is for measuring only, never for training")
+    if cfg.min_formulas < 1:
+        raise PipelineError(f"tokenizer.min_formulas must be at least 1, got {cfg.min_formulas}")
+    if not 0 < cfg.curve_holdout < 1:
+        raise PipelineError(f"tokenizer.curve_holdout={cfg.curve_holdout} not in (0, 1)")
+    if cfg.curve_tolerance < 0:
+        raise PipelineError(f"tokenizer.curve_tolerance must be >= 0, got {cfg.curve_tolerance}")
     if cfg.min_frequency < 1:
         raise PipelineError(f"tokenizer.min_frequency must be at least 1, got {cfg.min_frequency}")
     if cfg.max_token_atoms is not None and cfg.max_token_atoms < 2:
@@ -154,9 +174,14 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
             return out.manifest
         train_raw, train_norm, train_dropped = _normalized(sources["train"]["formulas"], "train")
         eval_raw, eval_norm, eval_dropped = _normalized(sources["eval"]["formulas"], "eval")
+        shift = _normalized(sources["shift"]["formulas"], "shift") if "shift" in sources else None
         extra = [t for t in char_tok.token_to_id if t not in SPECIALS] if cfg.include_model_chars else []
-        trained = train_formula_bpe(train_norm, cfg.vocab_size, extra_atoms=extra, known_commands=known,
-                                    min_frequency=cfg.min_frequency, max_token_atoms=cfg.max_token_atoms)
+
+        def train(formulas: list[str], size: int):
+            return train_formula_bpe(formulas, size, extra_atoms=extra, known_commands=known,
+                                     min_frequency=cfg.min_frequency, max_token_atoms=cfg.max_token_atoms,
+                                     min_formulas=cfg.min_formulas)
+        trained = train(train_norm, cfg.vocab_size)
         ours = trained.tokenizer
         # the baseline gets exactly as many entries as ours ended with (merges can run out first)
         plain = train_plain_bpe(train_norm, ours.get_vocab_size(), min_frequency=cfg.min_frequency)
@@ -182,6 +207,12 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         step_ms, step_source = resolve_decode_step_ms(cfg, ctx)
 
         char_name, plain_name, ours_name = (c.name for c in cands)
+        held_fit, held_out = curve.holdout(train_norm, cfg.curve_holdout, ctx.seed)
+        eval_sets = {"held-out train": held_out, "eval": eval_norm}
+        if shift is not None:
+            eval_sets["shift"] = shift[1]
+        size_curve = curve.vocab_curve(train, train_norm, held_fit, sorted(set(cfg.curve_sizes) | {cfg.vocab_size}),
+                                       eval_sets, cands[0], cfg.curve_tolerance, progress=ctx.progress)
         steps = {name: s["tokens_mean"] + 1 for name, s in seg.items()}  # + eos; bos is given, not decoded
         metrics = {
             "train": {k: v for k, v in sources["train"].items() if k != "formulas"}
@@ -189,6 +220,7 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
             "eval": {k: v for k, v in sources["eval"].items() if k != "formulas"}
             | {"formulas": len(eval_norm), "empty_after_normalization": eval_dropped},
             "vocab_size": ours.get_vocab_size(),
+            "vocab_size_configured": cfg.vocab_size,
             "alphabet_atoms": len(trained.alphabet),
             "command_prefixes": len(trained.command_prefixes),
             "whole_commands": len(trained.whole_commands),
@@ -207,9 +239,27 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
             "replay": {"requests": cfg.replay_requests, "zipf_exponent": cfg.zipf_exponent, "seed": ctx.seed,
                        "distinct_formulas": len(set(eval_raw))},
             "loading": loading,
+            "curve": size_curve,
         }
+        if shift is not None:
+            shift_raw, shift_norm, shift_dropped = shift
+            shift_seg = {c.name: compare.segmentation_metrics(c, shift_norm) for c in cands}
+            shift_seg[ours_name]["round_trip_exact"] = compare.segmentation_metrics(
+                cands[2], shift_norm, expected=shift_norm, raw=shift_raw)["round_trip_exact"]
+            metrics["shift"] = {
+                **{k: v for k, v in sources["shift"].items() if k != "formulas"},
+                "formulas": len(shift_norm), "empty_after_normalization": shift_dropped,
+                "tokenizers": shift_seg,
+                "reduction_vs_char": shift_seg[char_name]["tokens_mean"] / shift_seg[ours_name]["tokens_mean"],
+                "reduction_vs_plain_bpe": shift_seg[plain_name]["tokens_mean"] / shift_seg[ours_name]["tokens_mean"],
+            }
         metrics["targets"] = {
             "tokens >= 2.5x fewer than char-level": metrics["reduction_vs_char"] >= 2.5,
+            **({} if shift is None else {
+                "shift split: tokens >= 2.5x fewer than char-level": metrics["shift"]["reduction_vs_char"] >= 2.5,
+                "shift split: 0 LaTeX commands split": metrics["shift"]["tokenizers"][ours_name]["commands_split"] == 0,
+            }),
+            "vocab_size is the held-out train choice": size_curve["chosen_size"] == cfg.vocab_size,
             "fewer tokens than plain BPE": seg[ours_name]["tokens_mean"] < seg[plain_name]["tokens_mean"],
             "0 LaTeX commands split": seg[ours_name]["commands_split"] == 0,
             "round trip 100 %": seg[ours_name]["round_trip_exact"] == 1.0,
@@ -266,7 +316,16 @@ def _print_summary(m: dict) -> None:
     saved = m["decode_ms_saved_vs_char"]
     ms = "" if saved is None else f" = {saved:.0f} ms at {m['decode_step_ms']:.1f} ms/step"
     print("[tokenizer] " + " | ".join(parts), flush=True)
-    print(f"[tokenizer] vocab {m['vocab_size']}; {m['reduction_vs_char']:.2f}x fewer tokens than char-level, "
+    sh = m.get("shift")
+    if sh:
+        print(f"[tokenizer] shift split ({sh['formulas']} formulas): {sh['reduction_vs_char']:.2f}x fewer tokens "
+              f"than char-level, {sh['tokenizers'][list(rows)[-1]]['commands_split']} commands split", flush=True)
+    cv = m.get("curve")
+    if cv:
+        print(f"[tokenizer] held-out train curve chooses vocab {cv['chosen_size']} "
+              f"(tolerance {cv['tolerance']:.0%}); configured {m['vocab_size_configured']}", flush=True)
+    print(f"[tokenizer] vocab {m['vocab_size']}; {m['reduction_vs_char']:.2f}x fewer tokens than char-level"
+          f"{' on the eval split' if sh else ''}, "
           f"{m['reduction_vs_plain_bpe']:.2f}x fewer than plain BPE; saves {m['decode_steps_saved_vs_char']:.1f} "
           f"decode steps{ms} per formula; cache hit rate {c['hit_rate']:.1%}, "
           f"{c['ms_per_request'] * 1000:.1f} us/request", flush=True)

@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 from pipeline.reports import markdown_table, savefig
 
 PLOT = "tokenizer_comparison.png"
+CURVE_PLOT = "tokens_vs_vocab_size.png"
 
 
 def comparison_rows(m: dict, names: Sequence[str]) -> list[list[str]]:
@@ -49,6 +50,8 @@ def cache_rows(m: dict) -> list[list[str]]:
 
 def write_report(folder: Path, m: dict, names: Sequence[str], examples: Sequence[tuple[str, list, list]]) -> None:
     _plot(folder / PLOT, m, names)
+    if m.get("curve"):
+        _curve_plot(folder / CURVE_PLOT, m["curve"], m["vocab_size_configured"])
     r = m["replay"]
     lines = [
         "# Tokenizer: atom-aware BPE vs char-level vs plain BPE",
@@ -69,6 +72,7 @@ def write_report(folder: Path, m: dict, names: Sequence[str], examples: Sequence
         "Decoder step cost: " + ("unknown" if m["decode_step_ms"] is None else f"{m['decode_step_ms']:.1f} ms")
         + f" ({m['decode_step_source']}).",
         "",
+    ] + _shift_lines(m, names) + _curve_lines(m) + [
         "## Serving cache",
         "",
         f"Replay: {r['requests']} requests over {r['distinct_formulas']} eval formulas, formula rank k drawn "
@@ -122,4 +126,76 @@ def _plot(path: Path, m: dict, names: Sequence[str]) -> None:
     ax2.set_ylim(0, 1.02)
     ax2.set_title(f"Zipf replay (s={m['replay']['zipf_exponent']})")
     ax2.legend(loc="lower right")
+    savefig(fig, path)
+
+
+def _shift_lines(m: dict, names: Sequence[str]) -> list[str]:
+    sh = m.get("shift")
+    if not sh:
+        return []
+    t = [sh["tokenizers"][n] for n in names]
+
+    def row(label, fn):
+        return [label, *(fn(x) for x in t)]
+    return [
+        "## On formulas training never saw (shift split)",
+        "",
+        f"{sh['formulas']} formulas ({sh['source']}): packages the corpus never read, none of their formulas "
+        "in the corpus. Never used to train or to choose a default.",
+        "",
+        markdown_table(["measure", *names], [
+            row("tokens / formula, mean", lambda x: f"{x['tokens_mean']:.2f}"),
+            row("tokens / formula, p95", lambda x: f"{x['tokens_p95']:.1f}"),
+            row("fewer tokens than char-level", lambda x: f"{t[0]['tokens_mean'] / x['tokens_mean']:.2f}x"),
+            row("LaTeX commands split across tokens",
+                lambda x: f"{x['commands_split_share']:.1%} ({x['commands_split']}/{x['commands']})"),
+            row("round trip decode(encode(x)) == normalized x", lambda x: f"{x['round_trip_exact']:.1%}"),
+        ]),
+        "",
+    ]
+
+
+def _curve_lines(m: dict) -> list[str]:
+    cv = m.get("curve")
+    if not cv:
+        return []
+    sets = list(cv["char_tokens"])
+    header = ["vocab size", "entries", *(f"tokens / formula: {s}" for s in sets),
+              *(f"fewer than char-level: {s}" for s in sets)]
+    rows = [[r["size"] if r["size"] != cv["chosen_size"] else f"**{r['size']}** (chosen)", r["entries"],
+             *(f"{r['tokens'][s]:.2f}" for s in sets), *(f"{r['reduction_vs_char'][s]:.2f}x" for s in sets)]
+            for r in cv["rows"]]
+    rows.append(["char-level (model today)", "", *(f"{cv['char_tokens'][s]:.2f}" for s in sets), *("1.00x" for _ in sets)])
+    skipped = f" Sizes below the atom alphabet, skipped: {cv['skipped_sizes']}." if cv["skipped_sizes"] else ""
+    return [
+        "## Tokens per formula against vocabulary size",
+        "",
+        f"The size is chosen on training data alone: fitted on {cv['fit_formulas']} train formulas, counted on "
+        f"the {cv['held_out_formulas']} held out; chosen = the smallest size within {cv['tolerance']:.0%} of the "
+        f"fewest held-out tokens per formula: **{cv['chosen_size']}** (configured: {m['vocab_size_configured']}). "
+        "The other columns check that choice with the tokenizer trained on the whole train split; "
+        "'entries' is less than the size where no pair was frequent enough to merge." + skipped,
+        "",
+        markdown_table(header, rows),
+        "",
+        f"![tokens per formula against vocabulary size]({CURVE_PLOT})",
+        "",
+    ]
+
+
+def _curve_plot(path: Path, cv: dict, configured: int) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = ["#888888", "#4477aa", "#ee6677", "#228833"]
+    for i, name in enumerate(cv["char_tokens"]):
+        c = colors[i % len(colors)]
+        ax.plot([r["size"] for r in cv["rows"]], [r["tokens"][name] for r in cv["rows"]], marker="o", color=c,
+                label=name)
+        ax.axhline(cv["char_tokens"][name] / 2.5, color=c, linestyle=":", linewidth=1)
+    ax.axvline(cv["chosen_size"], color="black", linestyle="--", linewidth=1, label=f"chosen {cv['chosen_size']}")
+    if configured != cv["chosen_size"]:
+        ax.axvline(configured, color="#aa3377", linestyle="-.", linewidth=1, label=f"configured {configured}")
+    ax.set_xlabel("vocabulary size")
+    ax.set_ylabel("tokens per formula (mean)")
+    ax.set_title("Tokens per formula against vocabulary size (dotted: char-level / 2.5)")
+    ax.legend(fontsize=8)
     savefig(fig, path)

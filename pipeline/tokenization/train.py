@@ -79,10 +79,16 @@ def plan_alphabet(train_atoms: Iterable[str], extra_atoms: Iterable[str] = (),
 
 def train_formula_bpe(normalized: Sequence[str], vocab_size: int, extra_atoms: Iterable[str] = (),
                       known_commands: Iterable[str] = (), min_frequency: int = 2,
-                      max_token_atoms: int | None = None) -> TrainedTokenizer:
+                      max_token_atoms: int | None = None, min_formulas: int = 1) -> TrainedTokenizer:
     """Train the atom-aware BPE on normalized formulas. ``extra_atoms`` join the alphabet even when
     the training formulas do not use them (the model's current characters); ``known_commands`` are
-    kept whole even when training never saw them (the renderer's command table)."""
+    kept whole even when training never saw them (the renderer's command table).
+
+    ``min_formulas``: a learned token must occur (whole atoms, inside a word) in at least this many
+    distinct training formulas; ``BpeTrainer``'s ``min_frequency`` counts occurrences, so a phrase
+    one formula repeats would pass it. The trainer learns past the budget, merges below the bar are
+    dropped, and the first ones that fit the budget are kept, in the trainer's order. A token's
+    parts occur wherever it does, so every kept merge's parts are kept too."""
     # words of atoms; a line break is an added token, so it ends a word for training as at serving
     word_atoms: list[list[list[str]]] = []
     for f in normalized:
@@ -114,13 +120,23 @@ def train_formula_bpe(normalized: Sequence[str], vocab_size: int, extra_atoms: I
     # characters, words are separated by real spaces, and the training pre-tokenizer splits on them.
     trainer_tok = Tokenizer(models.BPE())
     trainer_tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if min_formulas < 1:
+        raise PipelineError(f"min_formulas must be at least 1, got {min_formulas}")
+    budget = vocab_size - len(SPECIALS) - len(internal) - len(whole)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIALS) - len(internal) - len(whole), min_frequency=min_frequency,
+        # with a formula bar, learn past the budget: the merges below the bar leave room for others
+        vocab_size=budget if min_formulas == 1 else budget + 4 * (budget - len(alphabet)),
+        min_frequency=min_frequency,
         special_tokens=[], initial_alphabet=list(to_pua.values()), limit_alphabet=len(alphabet),
         show_progress=False, max_token_length=max_token_atoms)
-    lines = (" ".join("".join(to_pua[a] for a in w) for w in f) for f in word_atoms)
+    lines = [" ".join("".join(to_pua[a] for a in w) for w in f) for f in word_atoms]
     trainer_tok.train_from_iterator(lines, trainer=trainer, length=len(word_atoms))
-    learned = json.loads(trainer_tok.to_str())["model"]["merges"]
+    learned = [tuple(p.split(" ")) if isinstance(p, str) else tuple(p)
+               for p in json.loads(trainer_tok.to_str())["model"]["merges"]]
+    if min_formulas > 1:
+        learned = [(left, right) for left, right in learned
+                   if sum(left + right in line for line in lines) >= min_formulas]
+        learned = learned[:max(budget - len(alphabet), 0)]
 
     def text(pua: str) -> str:
         return "".join(from_pua[c] for c in pua)
@@ -131,8 +147,7 @@ def train_formula_bpe(normalized: Sequence[str], vocab_size: int, extra_atoms: I
     # chains first: every command of the alphabet is whole before any learned merge runs
     chain = {(a[:k - 1], a[k - 1]) for a in alphabet if is_command(a) for k in range(2, len(a) + 1)}
     merges: list[tuple[str, str]] = sorted(chain, key=lambda m: (len(m[0]), m))
-    for pair in learned:
-        left, right = (pair.split(" ") if isinstance(pair, str) else pair)
+    for left, right in learned:
         merged = text(left) + text(right)
         if merged in vocab:  # an atom string is unique (the atom regex reads it one way only)
             raise PipelineError(f"internal: learned token {merged!r} collides with an existing entry")
