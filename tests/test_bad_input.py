@@ -232,7 +232,7 @@ def test_non_utf8_formulas_files_are_one_line_naming_the_key_and_the_line(work, 
               "export.formulas", "not UTF-8", "line 2")
     one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.formulas={bad}", f"artifacts.dir={art}",
                       "model.max_length=16"), "eval.formulas", "not UTF-8")
-    one_error(run_cli("stage=benchmark", f"benchmark.package={work / 'art' / 'export-ort_cpu'}",
+    one_error(run_cli("stage=benchmark", f"+benchmark.packages.pkg={work / 'art' / 'export-ort_cpu'}",
                       f"benchmark.model={work / 'tiny'}", f"benchmark.formulas={bad}", "model.max_length=16",
                       f"artifacts.dir={art}"), "benchmark.formulas", "not UTF-8")
     labels = tmp_path / "labels.tsv"
