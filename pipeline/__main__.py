@@ -21,8 +21,14 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 log = logging.getLogger("pipeline")
 
 
-def fail(message: str) -> NoReturn:
+def fail(message: str, interrupted: bool = False) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
+    if interrupted:
+        # the run is over and its temporary output removed; leave now, so a KeyboardInterrupt still
+        # pending in library teardown cannot turn exit code 2 into death by SIGINT (seen under load)
+        sys.stdout.flush()
+        logging.shutdown()
+        os._exit(2)
     sys.exit(2)
 
 
@@ -81,7 +87,7 @@ def _task(cfg: DictConfig) -> None:
         fail(str(exc))
     except KeyboardInterrupt:
         interrupts.finished()
-        fail("interrupted; previous artifacts left as they were")
+        fail("interrupted; previous artifacts left as they were", interrupted=True)
     interrupts.finished()  # published: a signal from now on has nothing left to stop
 
 
@@ -134,7 +140,7 @@ def main() -> None:
         _main()
     except KeyboardInterrupt:
         interrupts.finished()
-        fail("interrupted; previous artifacts left as they were")
+        fail("interrupted; previous artifacts left as they were", interrupted=True)
     finally:
         interrupts.finished()
 
