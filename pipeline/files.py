@@ -165,14 +165,25 @@ def check_output_file(path: str | Path, key: str) -> Path:
     return path
 
 
+def package_path(ref: str, artifacts_dir: Path) -> Optional[Path]:
+    """An exported package: ``ref`` as a folder holding ``package.json``, or an export stage's name
+    under the root; None when neither is one."""
+    from pipeline.export.runtime import PACKAGE_META
+
+    for cand in (Path(ref), Path(artifacts_dir) / ref):
+        if (cand / PACKAGE_META).is_file():
+            return cand
+    return None
+
+
 def find_package(ref: Optional[str], artifacts_dir: Path, key: str) -> Path:
-    """An exported package: a folder holding ``package.json``, or an export stage's name under the root."""
+    """:func:`package_path`, or one error line naming ``key``."""
     from pipeline.export.runtime import PACKAGE_META
 
     if not ref:
         raise ConfigError(f"{key} is not set: give {key}=<exported package folder or export stage name>")
-    for cand in (Path(ref), Path(artifacts_dir) / ref):
-        if (cand / PACKAGE_META).is_file():
-            return cand
+    found = package_path(ref, artifacts_dir)
+    if found is not None:
+        return found
     raise InputError(f"{key}={ref}: not an exported package folder (no {PACKAGE_META}) nor an export "
                      f"under {artifacts_dir}; run stage=export first")

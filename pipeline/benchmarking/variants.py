@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.adapters.base import DecodeResult, ModelAdapter
 from pipeline.errors import PipelineError
+from pipeline.files import package_path
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,6 @@ class Variant:
     package: Optional[OnnxPackage] = None
 
 
-def package_folder(ref: str, root: Path) -> Optional[Path]:
-    """An exported package: ``ref`` as a folder, or an export stage's name under ``root``; else None."""
-    for cand in (Path(ref), Path(root) / ref):
-        if (cand / PACKAGE_META).is_file():
-            return cand
-    return None
-
-
 def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: Path) -> tuple[dict[str, Path], list[str]]:
     """Label -> package folder: every default that exists, then every requested one.
 
@@ -52,17 +45,17 @@ def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: 
     for label, ref in defaults.items():
         if label in requested:
             continue
-        folder = package_folder(ref, root)
+        folder = package_path(ref, root)
         if folder is None:
             notes.append(f"no package {ref!r} under {root}: variant '{label}' skipped")
         else:
             found[label] = folder
-    missing = [f"{label}={ref}" for label, ref in requested.items() if package_folder(ref, root) is None]
+    missing = [f"{label}={ref}" for label, ref in requested.items() if package_path(ref, root) is None]
     if missing:
         raise PipelineError(f"benchmark.packages: no exported package (no {PACKAGE_META}) at {', '.join(missing)} "
                             f"(a folder, or an export stage's name under {root})")
     for label, ref in requested.items():
-        found[label] = package_folder(ref, root)  # type: ignore[assignment]
+        found[label] = package_path(ref, root)  # type: ignore[assignment]
     return found, notes
 
 

@@ -303,7 +303,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "decoder_precision": plan.decoder,
     }
     (folder / "quantize.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    _plots(folder, ranked, by_name, cfg.metric)
+    _plots(folder, ranked, by_name, cfg.metric, table)
     _write_report(folder, metrics, plan)
     shutil.rmtree(scratch)
     if not plan.met_budget:
@@ -412,7 +412,7 @@ def _weights(by_name) -> set[str]:
     return {n for n, g in by_name.items() if g.kind == "weights"}
 
 
-def _plots(folder: Path, ranked, by_name, metric: str) -> None:
+def _plots(folder: Path, ranked, by_name, metric: str, table: list[dict]) -> None:
     names = [r.group for r in ranked]
     fig, ax = plt.subplots(figsize=(8, max(3.5, 0.28 * len(names))))
     y = np.arange(len(names))
@@ -441,14 +441,11 @@ def _plots(folder: Path, ranked, by_name, metric: str) -> None:
     fig.colorbar(im, ax=ax, label=f"{metric}, only this group INT8 (low = sensitive)")
     ax.set_title("Sensitivity: layer x block")
     savefig(fig, folder / "sensitivity_heatmap.png")
-    _pareto(folder)
+    _pareto(folder, table)
 
 
-def _pareto(folder: Path) -> None:
-    data = json.loads((folder / "quantize.json").read_text()) if (folder / "quantize.json").is_file() else None
-    if not data:
-        return
-    rows = [r for r in data["anchors"] if "total_ms" in r]
+def _pareto(folder: Path, table: list[dict]) -> None:
+    rows = [r for r in table if "total_ms" in r]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in rows:
         ax.scatter(r["total_ms"], r["exact_match"], s=40)
