@@ -16,7 +16,7 @@ from tiny_model import FORMULAS, build_tiny, fake_ctx
 from pipeline.errors import PipelineError
 
 SMALL = ["quantize.calib_images=8", "quantize.search_images=8", "quantize.sensitivity_images=2",
-         "quantize.eval_limit=4", "quantize.latency_images=1", "quantize.anchors=false",
+         "quantize.eval_limit=4", "quantize.latency_images=1", "quantize.anchors=false", "quantize.decoder_search_images=8",
          "quantize.methods=[minmax,percentile]", "model.max_length=8", "model.batch_size=4"]
 
 
@@ -276,11 +276,11 @@ def test_ort_cpu_int8_decoders_are_handed_to_the_ort_cpu_package_only(root, sear
         pytest.skip("the budget kept the decoder float")
     for g in ("decoder_first", "decoder_step"):
         model = onnx.load(str(searched / f"{g}.ort_cpu.int8.onnx"))
-        assert any(n.op_type in ("DynamicQuantizeMatMul", "MatMulInteger", "DynamicQuantizeLinear")
+        assert any(n.op_type == "MatMulNBits"
                    for n in model.graph.node), g
     _export(root, "export.targets=[ort_cpu,tensorrt]", "export.name=dec")
     ort_meta = json.loads((root / "dec-ort_cpu" / "package.json").read_text())
-    assert ort_meta["precision"]["decoder_step"] == "int8 dynamic"
+    assert ort_meta["precision"]["decoder_step"] == "int8 weights"
     trt_meta = json.loads((root / "dec-tensorrt" / "package.json").read_text())
     assert trt_meta["precision"]["decoder_step"] == "fp32"
 
@@ -309,3 +309,54 @@ def test_a_pruned_model_with_uneven_heads_exports_fused_for_ort_cpu():
     heads = sorted(next(a.i for a in n.attribute if a.name == "num_heads")
                    for n in built.models["encoder"].graph.node if n.op_type == "MultiHeadAttention")
     assert heads == [2, 4]
+
+
+def test_gemm_to_matmul_keeps_outputs(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.quantization.decoder import to_matmul
+
+    rng = np.random.default_rng(0)
+    w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (6,), (6, 3)))
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="g1", transB=1),
+         helper.make_node("Gemm", ["h", "w2"], ["y"], name="g2")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    converted = to_matmul(onnx.ModelProto.FromString(model.SerializeToString()))
+    assert [n.op_type for n in converted.graph.node] == ["MatMul", "Add", "MatMul"]
+    got = ort.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_graphs(root, searched, tmp_path):
+    from pipeline.quantization.decoder import weight_nodes
+
+    plan = json.loads((searched / "plan.json").read_text())
+    nodes = sorted(plan["decoder_nodes"])
+    assert nodes and plan["decoder"] in ("int8", "float")
+    floated = nodes[0]
+    plan["decoder"] = "int8"
+    plan["decoder_nodes"] = {n: ("float" if n == floated else "int8") for n in nodes}
+    path = tmp_path / "edited-decoder.json"
+    path.write_text(json.dumps(plan))
+    _run(root, f"quantize.plan={path}", "quantize.name=quantize-edited-decoder")
+    out = root / "quantize-edited-decoder"
+    assert json.loads((out / "plan.json").read_text())["decoder_nodes"] == plan["decoder_nodes"]
+    step = onnx.load(str(out / "decoder_step.ort_cpu.int8.onnx"))
+    assert sum(n.op_type == "MatMulNBits" for n in step.graph.node) == len(nodes) - 1
+    assert list(weight_nodes(step)) == [floated]  # the one float MatMul with a constant weight left
+    first = onnx.load(str(out / "decoder_first.ort_cpu.int8.onnx"))
+    assert sum(n.op_type == "MatMulNBits" for n in first.graph.node) == len(nodes) - 1
+    # the same matrix stayed float there (beside the cross-attention K/V projections, which only
+    # decoder_first has and the plan leaves float)
+    assert set(weight_nodes(step).values()) <= set(weight_nodes(first).values())
+    bad = dict(plan, decoder_nodes={"no-such-node": "int8"})
+    path.write_text(json.dumps(bad))
+    with pytest.raises(PipelineError, match="decoder node"):
+        _run(root, f"quantize.plan={path}", "quantize.name=quantize-bad-decoder")
+    assert not (root / "quantize-bad-decoder").exists()

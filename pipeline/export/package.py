@@ -59,7 +59,7 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
     for g, path in (int8_decoders or {}).items():
         raw[g] = load_final_graph(path, raw[g], g)
         hist[g] = {"int8 input": og.op_histogram(raw[g])}
-        precision[g] = "int8 dynamic"
+        precision[g] = "int8 weights"
         final.add(g)
     shapes = decoder_shapes(adapter)
     heads = sorted(set(adapter.encoder_head_counts()) | {shapes["num_heads"]})

@@ -30,7 +30,10 @@ class Plan:
     met_budget: bool = True
     measured: dict[str, Any] = field(default_factory=dict)
     note: str = ""
-    decoder: str = "float"     # ort_cpu decoder graphs: int8 (ORT dynamic quantization) | float
+    decoder: str = "float"     # ort_cpu decoder graphs: int8 (some weights in 8 bits) | float
+    # decoder_step weight nodes -> int8 | float (decoder_first follows: same weights); empty with
+    # decoder "int8" = every weight node in 8 bits
+    decoder_nodes: dict[str, str] = field(default_factory=dict)
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -82,5 +85,9 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     decoder = raw.get("decoder", "float")
     if decoder not in PRECISIONS:
         raise PipelineError(f"quantize.plan: 'decoder' must be one of {PRECISIONS}, got {decoder!r}")
+    nodes = raw.get("decoder_nodes") or {}
+    if not isinstance(nodes, dict) or any(v not in PRECISIONS for v in nodes.values()):
+        raise PipelineError(f"quantize.plan: 'decoder_nodes' must map node names to one of {PRECISIONS}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
-                measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder)
+                measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
+                decoder_nodes={str(k): str(v) for k, v in nodes.items()})

@@ -38,6 +38,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
 from pipeline.quantization import anchors, qdq
+from pipeline.quantization import decoder as qdec
 from pipeline.quantization.groups import find_groups
 from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
 from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan
@@ -68,7 +69,8 @@ class QuantizeConfig:
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
     plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
     eval_limit: int = 64              # eval-split formulas for the final check and the anchors
-    decoder: bool = True              # ort_cpu decoder graphs in INT8 (ORT dynamic) when the budget holds
+    decoder: bool = True              # ort_cpu decoder weights in 8 bits, node by node, as the budget allows
+    decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
     name: str = "quantize"            # artifact folder
@@ -78,7 +80,8 @@ Config = QuantizeConfig
 
 
 def _validate(cfg: QuantizeConfig) -> None:
-    for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images"):
+    for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images",
+                "decoder_search_images"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"quantize.{key} must be >= 1, got {getattr(cfg, key)}")
     if not 0.0 <= cfg.budget < 1.0:
@@ -107,9 +110,10 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     if "text" not in calib_set.column_names:
         raise PipelineError(f"{calib_folder}: the calibration set has no 'text' column; the plan search "
                             f"reads its formulas (build it from a labelled source)")
-    need = cfg.calib_images + cfg.search_images
+    need = cfg.calib_images + max(cfg.search_images, cfg.decoder_search_images if cfg.decoder else 0)
     if len(calib_set) < need:
-        raise PipelineError(f"quantize: calib_images + search_images = {need} > {len(calib_set)} images in "
+        raise PipelineError(f"quantize: calib_images + search_images (or decoder_search_images) = {need} > "
+                            f"{len(calib_set)} images in "
                             f"{calib_folder}; lower them or build a larger set (calibrate.size)")
     inputs = {"model": ctx.model_hash(model_ref), "calib_set": file_hash(calib_folder / "calib_set"),
               "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"] if _has_corpus(ctx) else ""}
@@ -257,31 +261,25 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
     ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
 
-    # 4b. the ort_cpu decoder: INT8 weights (ORT dynamic quantization) where the budget still holds
-    # with the encoder plan in place
-    decoder_reading = None
+    # 4b. the ort_cpu decoder: 8-bit weights node by node, as many as the budget allows with the
+    # encoder plan in place (the loss is measured against the package with the float decoder)
+    decoder_reading, decoder_trace, decoder_sens = None, [], []
     if (given.decoder == "int8") if given else cfg.decoder:
-        made = {}
-        for g, name in DECODERS.items():
-            made[g] = scratch / name
-            qdq.dynamic(graphs.package_dir / f"{g}.onnx", made[g], per_channel=True)
-        decoder_reading = read(graphs.open_package(int(mcfg.threads or 0), made), folder / QDQ_ENCODER_ORT,
-                               search_images, search_truths, max_length, batch)
-        fits = float_reading.exact_match - decoder_reading.exact_match <= cfg.budget + 1e-9
-        plan.decoder = "int8" if (given or fits) else "float"
-        if plan.decoder == "int8":
-            for g, path in made.items():
-                shutil.copyfile(path, folder / DECODERS[g])
+        dec_rows = slice(cfg.calib_images, cfg.calib_images + cfg.decoder_search_images)
+        dec_images = np.asarray(rows[dec_rows]["pixel_values"], np.float32)
+        dec_truths = calib_set[dec_rows]["text"]
+        decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
+            cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, sens_images, max_length, batch,
+            int(mcfg.threads or 0), ctx.progress)
     else:
-        plan.decoder = "float"
+        plan.decoder, plan.decoder_nodes = "float", {}
     plan.measured = {
         "search_set": f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(search_truths) - 1}",
         "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
         "plan_exact_match": final_reading.exact_match, "plan_cer": final_reading.cer,
         "ort_cpu_exact_match": ort_reading.exact_match, "ort_cpu_cer": ort_reading.cer,
         "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
-        "ort_cpu_int8_decoder_exact_match": None if decoder_reading is None else decoder_reading.exact_match,
-        "ort_cpu_int8_decoder_cer": None if decoder_reading is None else decoder_reading.cer,
+        **(decoder_reading or {}),
     }
     plan.save(folder / "plan.json")
 
@@ -292,12 +290,14 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
         "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
         "search": plan.measured, "search_trace": trace, "anchors": table,
+        "decoder_search_trace": decoder_trace, "decoder_sensitivity": decoder_sens,
         "sensitivity": [{"group": s.group, "only": _num(s.only), "all_but": _num(s.all_but), "gain": _num(s.gain),
                          "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
         "all_int8_score": _num(all_int8_score), "metric": cfg.metric,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
-        "decoder": ("ort_cpu: INT8 weights with dynamic activation quantization (ORT quantize_dynamic, per channel)"
+        "decoder": (f"ort_cpu: {sum(v == 'int8' for v in plan.decoder_nodes.values())} of {len(plan.decoder_nodes)} "
+                    f"weight matrices in 8 bits (ORT MatMulNBits, blocks of {qdec.BLOCK}, symmetric), the rest FP32"
                     if plan.decoder == "int8" else "ort_cpu: float (FP32)")
                    + "; TensorRT / Metax: float (export casts it to FP16)",
         "decoder_precision": plan.decoder,
@@ -310,6 +310,80 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         print(f"[quantize] warning: no plan met the budget of {cfg.budget:.3f} exact-match loss; "
               f"the best found is written to plan.json, marked as such", flush=True)
     return metrics
+
+
+def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
+                  images: np.ndarray, truths, sens_images: np.ndarray, max_length: int, batch: int, threads: int,
+                  progress: bool) -> tuple[dict, list[dict], list[dict]]:
+    """Rank the decoder-step weight matrices by the logit SNR each costs alone in 8 bits (recorded
+    greedy step inputs), then return the most sensitive to float until the exact-match loss on the
+    decoder search set, against the same package with the float decoder, is within the budget.
+    Writes the two INT8 decoder graphs when any node stays INT8; sets ``plan.decoder*``."""
+    import onnxruntime as ort
+
+    mm = {}
+    for g in DECODERS:
+        mm[g] = scratch / f"{g}.matmul.onnx"
+        onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
+    step_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_step"])))
+    first_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_first"])))
+
+    def made(int8_step: list[str], tag: str) -> dict[str, Path]:
+        out = {"decoder_step": scratch / f"decoder_step.{tag}.onnx", "decoder_first": scratch / f"decoder_first.{tag}.onnx"}
+        qdec.quantize(mm["decoder_step"], out["decoder_step"], int8_step)
+        qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.same_plan(step_nodes, first_nodes, int8_step))
+        return out
+
+    def reading(int8_step: list[str], tag: str) -> Reading:
+        return read(graphs.open_package(threads, made(int8_step, tag)), folder / QDQ_ENCODER_ORT, images, truths,
+                    max_length, batch)
+
+    base = read(graphs.open_package(threads), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+    trace: list[dict] = []
+    sens: list[dict] = []
+    if given is not None:
+        int8 = [n for n, p in given.decoder_nodes.items() if p == "int8"] if given.decoder_nodes else list(step_nodes)
+        unknown = sorted(set(given.decoder_nodes) - set(step_nodes))
+        if unknown:
+            raise PipelineError(f"quantize.plan: {len(unknown)} decoder node(s) not in this model's decoder_step "
+                                f"graph: {', '.join(unknown[:5])}")
+    else:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads or 0
+        so.log_severity_level = 3
+        feeds = qdec.StepFeeds(graphs.open_package(threads), sens_images, max_length)
+        ref = feeds.logits(ort.InferenceSession(str(mm["decoder_step"]), so, providers=["CPUExecutionProvider"]))
+        snr = sensitivity.SNR()
+        for node in tqdm(step_nodes, desc="decoder sensitivity", disable=not progress):
+            probe = scratch / "decoder_step.probe.onnx"
+            qdec.quantize(mm["decoder_step"], probe, [node])
+            out = feeds.logits(ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"]))
+            sens.append({"node": node, "logit_snr_db": _num(snr.score(ref, out))})
+        sens.sort(key=lambda r: r["logit_snr_db"])  # most sensitive first
+        order = [r["node"] for r in sens]
+
+        def loss_with_float(k: int) -> float:
+            int8_now = order[k:]
+            r = reading(int8_now, "search")
+            loss = base.exact_match - r.exact_match
+            trace.append({"float_nodes": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
+                          "cer": r.cer, "loss": loss, "identical": r.identical_to(base)})
+            return loss
+
+        k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
+        int8 = order[k:] if k is not None else []
+    final = made(int8, "final")
+    r = reading(int8, "final")
+    plan.decoder = "int8" if int8 else "float"
+    plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
+    if int8:
+        for g, path in final.items():
+            shutil.copyfile(path, folder / DECODERS[g])
+    rows = f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(truths) - 1}"
+    return ({"decoder_search_set": rows, "decoder_float_exact_match": base.exact_match, "decoder_float_cer": base.cer,
+             "ort_cpu_int8_decoder_exact_match": r.exact_match, "ort_cpu_int8_decoder_cer": r.cer,
+             "ort_cpu_int8_decoder_identical": r.identical_to(base), "decoder_int8_nodes": len(int8),
+             "decoder_nodes": len(step_nodes)}, trace, sens)
 
 
 def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> Optional[int]:
@@ -495,9 +569,7 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"MatMul MACs; budget {m['budget']:.3f} exact-match loss vs float: {status}. "
         f"On the search set ({s['search_set']}): float {s['float_exact_match']:.3f} / CER {s['float_cer']:.3f}, "
         f"plan {s['plan_exact_match']:.3f} / {s['plan_cer']:.3f} (ort_cpu graph {s['ort_cpu_exact_match']:.3f}"
-        + ("" if s.get("ort_cpu_int8_decoder_exact_match") is None else
-           f"; with the INT8 decoder {s['ort_cpu_int8_decoder_exact_match']:.3f} / {s['ort_cpu_int8_decoder_cer']:.3f}: "
-           f"decoder {m['decoder_precision']}") + ").\n\n"
+        + ").\n\n" + _decoder_section(m) +
         f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
         f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
         f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\nSmoothQuant: not run "
@@ -509,6 +581,24 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
         f"images interleaved across variants; compare ratios within this run. Seconds: sensitivity "
         f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}.\n")
+
+
+def _decoder_section(m: dict) -> str:
+    s = m["search"]
+    if s.get("ort_cpu_int8_decoder_exact_match") is None:
+        return ""
+    sens = markdown_table(["rank", "decoder_step node", "logit SNR dB alone in 8 bits"],
+                          [[i + 1, f"`{r['node']}`", f"{r['logit_snr_db']:.1f}"]
+                           for i, r in enumerate(m.get("decoder_sensitivity", []))])
+    trace = markdown_table(["nodes kept float", "last kept", "exact match", "loss vs float decoder", "identical readings"],
+                           [[t["float_nodes"], f"`{t['returned']}`" if t.get("returned") else "", f"{t['exact_match']:.3f}",
+                             f"{t['loss']:+.3f}", f"{t['identical']:.3f}"] for t in m.get("decoder_search_trace", [])])
+    return (f"## ort_cpu decoder\n\n{m['decoder']}. On the decoder search set ({s['decoder_search_set']}), with the "
+            f"INT8 encoder: float decoder {s['decoder_float_exact_match']:.3f} / CER {s['decoder_float_cer']:.3f}, "
+            f"the plan's decoder {s['ort_cpu_int8_decoder_exact_match']:.3f} / {s['ort_cpu_int8_decoder_cer']:.3f} "
+            f"({s['ort_cpu_int8_decoder_identical']:.0%} of readings identical).\n\n"
+            + (f"Sensitivity (logits of recorded greedy decoder steps, each node alone in 8 bits):\n\n{sens}\n\n"
+               f"Search:\n\n{trace}\n\n" if m.get("decoder_sensitivity") else ""))
 
 
 def _print_summary(m: dict) -> None:
