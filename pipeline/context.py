@@ -47,6 +47,15 @@ class StageContext:
         with stage_output(self.artifacts_dir, name, config, inputs, force=self.force) as out:
             yield out
 
+    @contextlib.contextmanager
+    def cache_output(self, name: str, config: dict[str, Any], inputs: dict[str, str]) -> Iterator[StageOutput]:
+        """Like :meth:`output`, under ``<artifacts>/cache/``: results a stage keeps for later runs and
+        sweep jobs (head scores, the original's row of a table), not artifacts of their own."""
+        root = self.artifacts_dir / "cache"
+        root.mkdir(parents=True, exist_ok=True)
+        with stage_output(root, name, config, inputs, force=self.force) as out:
+            yield out
+
     # ---- models -----------------------------------------------------------------------------
     def model_folder(self, ref: str) -> Path | None:
         """``original`` -> None (the packaged weights); a stage name -> its model folder; else a path."""

@@ -58,7 +58,8 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
     report = (out / "report.md").read_text()
     assert "exact match (shift)" in report and "CER (eval)" in report and "| shift | 4 |" in report
     scores = json.loads((out / "head_scores.json").read_text())
-    assert set(scores["scores"]) == {"l2_qkv", "l2_qkvo", "random", "gradient", "ablation"}
+    assert set(scores["scores"]) == {"gradient", "random"}  # the chosen criterion and the random baseline only
+    assert [p.name.split("-")[3] for p in (tmp_path / "a" / "cache").glob("prune-head-scores-*")] == ["gradient"]
     # the stage's model is what every later stage loads by name
     assert ctx.load_model("prune").encoder_head_counts() == m["encoder_heads"]
     # same config and seed: the same model and the same scores
@@ -86,7 +87,7 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     ("prune.num_heads=7", "would leave a layer with fewer than"),
     ("prune.flops_reduction=0.9", "would leave a layer with fewer than"),
     ("prune.min_heads_per_layer=0", "at least 1"),
-    ("prune.criterion=l1", "prune.criterion must be one of"),
+    ("prune.criterion=l1", "prune.criterion and prune.compare_criteria take l2_qkv"),
     ("prune.distill_lr=0", "prune.lr and prune.distill_lr must be > 0"),
     ("prune.distill_epochs=-1", "prune.distill_epochs, prune.distill_minutes"),
 ])
@@ -174,3 +175,29 @@ def test_holds_needs_both_tolerances_on_a_split():
     assert prune._holds({"n": 10, "exact_match": 0.545, "cer": 0.209}, original, cfg)["holds"]
     assert not prune._holds({"n": 10, "exact_match": 0.535, "cer": 0.19}, original, cfg)["holds"]   # exact match
     assert not prune._holds({"n": 10, "exact_match": 0.56, "cer": 0.211}, original, cfg)["holds"]   # CER
+
+
+def test_only_the_criteria_asked_for_are_computed_and_a_registered_one_can_be_chosen(tmp_path, tiny_folder):
+    from pipeline.pruning import scores as head_scores
+
+    calls = []
+
+    def last_layer_first(inp):
+        calls.append(len(inp.attns))
+        return [[float(h - 10 * l) for h in range(head_scores.num_heads(a))] for l, a in enumerate(inp.attns)]
+
+    head_scores.register(head_scores.Criterion("last_layer_first", last_layer_first))
+    try:
+        _, manifest = _run(tmp_path / "a", tiny_folder, "prune.num_heads=1", "prune.criterion=last_layer_first", "prune.normalize=global",
+                           "prune.compare_random=false", "prune.finetune_steps=0", "prune.recovery=false")
+        m = manifest["metrics"]
+        assert calls and m["removed"] == {str(len(m["encoder_heads"]) - 1): [0]}  # the lowest score: last layer
+        assert m["spearman_vs_ablation"] == {}
+        assert not list((tmp_path / "a" / "cache").glob("prune-head-scores-*"))  # nothing that reads images ran
+        _, compared = _run(tmp_path / "b", tiny_folder, "prune.num_heads=1", "prune.criterion=l2_qkv",
+                           "prune.compare_random=false", "prune.finetune_steps=0", "prune.recovery=false",
+                           "prune.compare_criteria=[l2_qkvo]")
+        assert set(compared["metrics"]["spearman_vs_ablation"]) == {"l2_qkv", "l2_qkvo"}
+        assert "Spearman vs single-head ablation" in (tmp_path / "b" / "prune" / "report.md").read_text()
+    finally:
+        head_scores.CRITERIA.pop("last_layer_first", None)

@@ -15,7 +15,8 @@ the model misreads anyway and had the wrong sign for heads whose removal ruins e
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,7 +26,56 @@ from tqdm import tqdm
 
 from pipeline.pruning.heads import head_dim, head_gates, num_heads, projections
 
-CRITERIA = ("l2_qkv", "l2_qkvo", "random", "gradient", "ablation")
+
+
+@dataclass
+class ScoringInput:
+    """What a criterion may read. ``images``/``targets`` are produced on first use only (rendering
+    and the model's own greedy readings cost minutes; the weight-norm criteria need neither)."""
+
+    adapter: object
+    attns: Sequence[nn.Module]
+    seed: int
+    load_images: Callable[[], tuple[torch.Tensor, list]] = lambda: (torch.zeros(0), [])
+    progress: bool = False
+    _data: Optional[tuple] = field(default=None, repr=False)
+    extra: dict = field(default_factory=dict)  # what a criterion reports besides its scores
+
+    def data(self) -> tuple[torch.Tensor, list]:
+        if self._data is None:
+            self._data = self.load_images()
+        return self._data
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """A head-importance criterion (like Torch-Pruning's ``importance`` objects): ``score(inp)``
+    returns one score per head per layer, higher = more important. ``needs_data``: it reads
+    rendered images and the model's own readings (cached by the prune stage)."""
+
+    name: str
+    score: Callable[[ScoringInput], list[list[float]]]
+    needs_data: bool = False
+
+
+CRITERIA: dict[str, Criterion] = {}
+
+
+def register(criterion: Criterion) -> Criterion:
+    """Add a criterion to the registry; ``prune.criterion=<name>`` then selects it."""
+    CRITERIA[criterion.name] = criterion
+    return criterion
+
+
+def _ablation(inp: ScoringInput) -> list[list[float]]:
+    scores, base = ablation_scores(inp.adapter, inp.attns, *inp.data(), progress=inp.progress)
+    inp.extra["baseline_label_loss"] = base
+    return scores
+
+
+def compute(names: Sequence[str], inp: ScoringInput) -> dict[str, list[list[float]]]:
+    """The scores of the criteria asked for, and of no other."""
+    return {n: CRITERIA[n].score(inp) for n in names}
 
 
 def l2_scores(attns: Sequence[nn.Module], with_out: bool = False) -> list[list[float]]:
@@ -150,3 +200,11 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     if ra.std() == 0 or rb.std() == 0:
         return float("nan")
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+register(Criterion("l2_qkv", lambda inp: l2_scores(inp.attns)))
+register(Criterion("l2_qkvo", lambda inp: l2_scores(inp.attns, with_out=True)))
+register(Criterion("random", lambda inp: random_scores([num_heads(a) for a in inp.attns], inp.seed)))
+register(Criterion("gradient", lambda inp: gradient_scores(inp.adapter, inp.attns, *inp.data(), progress=inp.progress),
+                   needs_data=True))
+register(Criterion("ablation", _ablation, needs_data=True))

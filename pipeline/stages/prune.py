@@ -67,6 +67,9 @@ class PruneConfig:
     em_tolerance: float = 0.01       # "holds": exact match at most this far below the original ...
     cer_tolerance: float = 0.05      # ... and CER at most this much higher, relative, on every split
     compare_random: bool = True      # also prune random heads (same count, same recovery)
+    # criteria scored beside the chosen one and ranked against the single-head ablation (computed
+    # then too): a comparison for sweeps, minutes of CPU; only the chosen criterion by default
+    compare_criteria: List[str] = field(default_factory=list)
     latency_images: int = 4          # images timed at batch 1 for encoder latency
     use_cache: bool = True           # evaluate with the adapter's KV-cached decoder (same tokens, faster)
     name: Optional[str] = None       # artifact folder; default "prune", or per-job in a multirun
@@ -77,8 +80,10 @@ Config = PruneConfig
 
 # ---- validation -------------------------------------------------------------------------------
 def _validate(cfg: PruneConfig) -> None:
-    if cfg.criterion not in head_scores.CRITERIA:
-        raise PipelineError(f"prune.criterion must be one of {', '.join(head_scores.CRITERIA)}, got {cfg.criterion!r}")
+    for c in [cfg.criterion, *cfg.compare_criteria]:
+        if c not in head_scores.CRITERIA:
+            raise PipelineError(f"prune.criterion and prune.compare_criteria take {', '.join(head_scores.CRITERIA)}; "
+                                f"got {c!r}")
     if cfg.normalize not in select.NORMALIZE:
         raise PipelineError(f"prune.normalize must be one of {', '.join(select.NORMALIZE)}, got {cfg.normalize!r}")
     if not 0.0 <= cfg.ratio < 1.0:
@@ -213,7 +218,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         chosen_scores = all_scores[cfg.criterion]
         removed = select.select_heads(chosen_scores, n_remove, cfg.min_heads_per_layer, cfg.normalize)
-        random_removed = select.select_heads(all_scores["random"], n_remove, cfg.min_heads_per_layer, "global")
+        random_removed = select.select_heads(all_scores["random"], n_remove, cfg.min_heads_per_layer, "global") \
+            if "random" in all_scores else {}
 
         pool = _train_pool(ctx, ctx.seed)
         fit_n = max(cfg.refit_images, cfg.distill_images if cfg.distill_epochs else 0,
@@ -251,7 +257,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             raise PipelineError("the saved pruned model does not reload with identical outputs")
 
         correlations = {c: head_scores.spearman(_flat(all_scores[c]), _flat(all_scores["ablation"]))
-                        for c in head_scores.CRITERIA if c != "ablation"}
+                        for c in all_scores if c != "ablation"} if "ablation" in all_scores else {}
         (out.path / "head_scores.json").write_text(json.dumps({
             "criterion": cfg.criterion, "normalize": cfg.normalize, "head_counts": head_counts,
             "scores": all_scores, "removed": {str(k): v for k, v in removed.items()},
@@ -392,7 +398,7 @@ def _baseline(original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx:
               "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
               "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
     # one folder per configuration, so sweeps with different eval sets do not evict each other
-    with ctx.output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
+    with ctx.cache_output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
             out.metrics.update(_measure(original, original, items, cfg, ctx, "original"))
     return dict(out.metrics)
@@ -409,24 +415,33 @@ def _reload_identical(ctx: StageContext, folder: Path, pruned, items: list[EvalI
 
 # ---- head scores (cached: the sweep's jobs share them) -------------------------------------------
 def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: dict) -> dict:
-    config = {"score_images": cfg.score_images, "seed": ctx.seed, "max_length": int(ctx.cfg.model.max_length),
-              "targets": "own_predictions"}
-    with ctx.output(f"prune-head-scores-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
-        if out.reused:
-            return json.loads((out.path / "scores.json").read_text())
-        images, latex, _ = _render(adapter, _train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
-                                   "render scoring")
-        targets = head_scores.own_predictions(adapter, images, int(ctx.cfg.model.max_length))
-        result = {
-            "l2_qkv": head_scores.l2_scores(attns),
-            "l2_qkvo": head_scores.l2_scores(attns, with_out=True),
-            "random": head_scores.random_scores(adapter.encoder_head_counts(), ctx.seed),
-            "gradient": head_scores.gradient_scores(adapter, attns, images, targets, progress=ctx.progress),
-        }
-        result["ablation"], base = head_scores.ablation_scores(adapter, attns, images, targets,
-                                                                progress=ctx.progress)
-        out.metrics["baseline_label_loss"] = base
-        (out.path / "scores.json").write_text(json.dumps(result, indent=2))
+    """The chosen criterion's scores (+ random with ``compare_random``, + ``compare_criteria`` and the
+    ablation ground truth). Criteria that read images are computed once per model, seed and cap,
+    each in its own folder under ``<artifacts>/cache/``, for every later run and sweep job."""
+    names = list(dict.fromkeys([cfg.criterion, *(["random"] if cfg.compare_random else []), *cfg.compare_criteria,
+                                *(["ablation"] if cfg.compare_criteria else [])]))
+    max_length = int(ctx.cfg.model.max_length)
+
+    def load_images():
+        images, _, _ = _render(adapter, _train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
+                               "render scoring")
+        return images, head_scores.own_predictions(adapter, images, max_length)
+
+    inp = head_scores.ScoringInput(adapter, attns, ctx.seed, load_images, ctx.progress)
+    result = {}
+    for name in names:
+        if not head_scores.CRITERIA[name].needs_data:
+            result[name] = head_scores.compute([name], inp)[name]
+            continue
+        config = {"criterion": name, "score_images": cfg.score_images, "seed": ctx.seed, "max_length": max_length,
+                  "targets": "own_predictions"}
+        with ctx.cache_output(f"prune-head-scores-{name}-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
+            if out.reused:
+                result[name] = json.loads((out.path / "scores.json").read_text())
+                continue
+            result[name] = head_scores.compute([name], inp)[name]
+            out.metrics.update(inp.extra)
+            (out.path / "scores.json").write_text(json.dumps(result[name], indent=2))
     return result
 
 
@@ -445,7 +460,7 @@ def _print_summary(m: dict) -> None:
 def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, removed: dict, head_counts) -> None:
     import matplotlib.pyplot as plt
 
-    crits = [cfg.criterion] + (["ablation"] if cfg.criterion != "ablation" else [])
+    crits = [cfg.criterion] + (["ablation"] if cfg.criterion != "ablation" and "ablation" in all_scores else [])
     fig, axes = plt.subplots(1, len(crits), figsize=(4.2 * len(crits), 3.2), squeeze=False)
     width = max(head_counts)
     for ax, c in zip(axes[0], crits):
@@ -480,8 +495,11 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         [[s, v["n"], f"{v['exact_match_original']:.3f} -> {v['exact_match']:.3f} ({-v['exact_match_drop']:+.3f})",
           f"{v['cer_original']:.3f} -> {v['cer']:.3f} ({v['cer_relative_change']:+.1%})", "yes" if v["holds"] else "NO"]
          for s, v in m["splits"].items()])
-    corr = markdown_table(["criterion", "Spearman vs single-head ablation"],
-                          [[c, f"{v:.2f}"] for c, v in m["spearman_vs_ablation"].items()])
+    corr = (f"## Criteria against the ground truth\n\nGround truth: the increase of the teacher-forced loss "
+            f"(against the original's own reading) when one head alone is off ({cfg.score_images} rendered train "
+            f"formulas).\n\n" + markdown_table(["criterion", "Spearman vs single-head ablation"],
+                                                [[c, f"{v:.2f}"] for c, v in m["spearman_vs_ablation"].items()])
+            + "\n\n") if m["spearman_vs_ablation"] else ""
     rec = m.get("recovery") or {}
     rec_lines = "\n".join(
         f"- round {i + 1}: removed {e['removed']}; refit relative error "
@@ -503,9 +521,6 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         f"for every variant.\n\n{table}\n\n"
         f"The pruned model holds where exact match drops at most {cfg.em_tolerance:.3f} and CER rises at most "
         f"{cfg.cer_tolerance:.0%} (relative) against the original:\n\n{holds}\n\n"
-        f"![head scores](head_scores.png)\n\n## Criteria against the ground truth\n\nGround truth: the increase of "
-        f"the teacher-forced loss (against the original's own reading) when one head alone is off "
-        f"({cfg.score_images} rendered train formulas).\n\n"
-        f"{corr}\n\n## Recovery\n\n{rec_lines or 'none'}\n\nRecovery CPU minutes (pruned model): "
+        f"![head scores](head_scores.png)\n\n{corr}## Recovery\n\n{rec_lines or 'none'}\n\nRecovery CPU minutes (pruned model): "
         f"{rec.get('cpu_minutes', 0.0):.1f}. The saved model reloads with identical encoder outputs: "
         f"{m['reload_identical']}.\n")
