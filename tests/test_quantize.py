@@ -73,6 +73,11 @@ def test_stage_writes_plan_report_and_runnable_qdq_encoders(searched):
         assert out.shape[0] == 2 and np.isfinite(out).all()
     report = (searched / "report.md").read_text()
     assert "## Sensitivity" in report and "## Calibration methods" in report and "sensitivity.png" in report
+    # the check reads both eval splits, the shift split (sources training never saw) beside the eval split
+    for row in (r for r in metrics["anchors"] if "total_ms" in r):
+        assert set(row["splits"]) == {"eval", "shift"} and row["splits"]["shift"]["n"] == 4
+        assert row["exact_match"] == row["splits"]["eval"]["exact_match"]
+    assert "exact match (shift)" in report and "CER (shift)" in report
 
 
 def test_qdq_is_symmetric_int8_per_channel_and_passes_the_metax_rules(searched):

@@ -68,7 +68,8 @@ class QuantizeConfig:
     metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
     plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
-    eval_limit: int = 64              # eval-split formulas for the final check and the anchors
+    eval_limit: int = 64              # formulas of each split for the final check and the anchors
+    eval_splits: list[str] = field(default_factory=lambda: ["eval", "shift"])  # the first one: latency, identical tokens
     decoder: bool = True              # ort_cpu decoder weights in 8 bits, node by node, as the budget allows
     decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
@@ -92,6 +93,8 @@ def _validate(cfg: QuantizeConfig) -> None:
     if cfg.method != "auto" and cfg.method not in METHODS:
         raise PipelineError(f"quantize.method={cfg.method!r}; known: auto, {', '.join(METHODS)}")
     sensitivity.metric(cfg.metric)
+    if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
+        raise PipelineError(f"quantize.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
 
 
 def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
@@ -421,9 +424,9 @@ def _num(x: float) -> float:
     return round(float(x), 4) if np.isfinite(x) else (1e9 if x > 0 else -1e9)
 
 
-def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter) -> tuple[np.ndarray, list[str]]:
+def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter, split: str = "eval") -> tuple[np.ndarray, list[str]]:
     images, truths = [], []
-    for f in ctx.split("eval"):
+    for f in ctx.split(split):
         if len(images) >= cfg.eval_limit:
             break
         try:
@@ -432,15 +435,18 @@ def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter) -> tuple[np.ndarr
             continue
         truths.append(f.latex)
     if not images:
-        raise PipelineError("quantize: no eval formula could be rendered")
+        raise PipelineError(f"quantize: no {split}-split formula could be rendered")
     return np.stack(images).astype(np.float32), truths
 
 
 def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
                    scratch: Path, search_seconds: float) -> list[dict]:
-    """Float, ours and the anchors on the same eval formulas and session options: one table."""
+    """Float, ours and the anchors on the same eval formulas and session options: one table; the
+    accuracy columns also on the other ``quantize.eval_splits`` (the shift split: sources training
+    never saw)."""
     max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
-    images, truths = _eval_set(cfg, ctx, adapter)
+    sets = {split: _eval_set(cfg, ctx, adapter, split) for split in cfg.eval_splits}
+    images, truths = sets[cfg.eval_splits[0]]
     int8 = set(plan.int8_groups())
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
         "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
@@ -461,17 +467,20 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
             packages[name] = graphs.package
             if note:
                 notes[name] = note
-    readings: dict[str, Reading] = {}
+    readings: dict[str, dict[str, Reading]] = {}
     for name, (path, _, _) in tqdm(variants.items(), desc="eval check", disable=not ctx.progress):
-        readings[name] = read(packages[name], path, images, truths, max_length, batch)
+        readings[name] = {split: read(packages[name], path, imgs, ts, max_length, batch)
+                          for split, (imgs, ts) in sets.items()}
     k = min(cfg.latency_images + 1, len(images))
     timed = latency({n: (graphs.open_package(1, decoders if n.startswith("ours (plan, ort") else None), p)
                      for n, (p, _, _) in variants.items()}, images[:k], max_length)
-    base = readings["float (ort_cpu package)"]
+    base = readings["float (ort_cpu package)"][cfg.eval_splits[0]]
     rows = []
     for name, (path, share, secs) in variants.items():
-        r, t = readings[name], timed[name]
+        r, t = readings[name][cfg.eval_splits[0]], timed[name]
         rows.append({"variant": name, "exact_match": r.exact_match, "cer": r.cer,
+                     "splits": {sp: {"exact_match": x.exact_match, "cer": x.cer, "n": len(x.exact)}
+                                for sp, x in readings[name].items()},
                      "identical_vs_float": r.identical_to(base), "encoder_ms": t["encoder_ms"],
                      "decoder_ms_per_step": t["decoder_ms_per_step"], "total_ms": t["total_ms"],
                      "size_mb": path.stat().st_size / 2 ** 20, "int8_mac_share": share,
@@ -542,15 +551,19 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
                             f"{r['all_but']:.1f}", f"{r['gain']:.1f}", plan.groups[r["group"]].precision]
                            for i, r in enumerate(m["sensitivity"])])
     anchors_rows = []
+    others = [sp for sp in next((list(r["splits"]) for r in m["anchors"] if "splits" in r), [])][1:]
     for r in m["anchors"]:
         if "total_ms" not in r:
-            anchors_rows.append([r["variant"], "", "", "", "", "", "", "", "", "", r["note"]])
+            anchors_rows.append([r["variant"], "", "", *([""] * 2 * len(others)), "", "", "", "", "", "", "", r["note"]])
             continue
         anchors_rows.append([r["variant"], f"{r['exact_match']:.3f}", f"{r['cer']:.3f}",
+                             *(f"{r['splits'][sp][k]:.3f}" for sp in others for k in ("exact_match", "cer")),
                              f"{r['identical_vs_float']:.3f}", f"{r['encoder_ms']:.1f}",
                              f"{r['decoder_ms_per_step']:.2f}", f"{r['total_ms']:.1f}", f"{r['size_mb']:.1f}",
                              f"{r['int8_mac_share']:.2f}", r["search_s"], r["note"]])
-    anchors_t = markdown_table(["variant", "exact match", "CER", "identical tokens vs float", "encoder ms",
+    anchors_t = markdown_table(["variant", "exact match", "CER",
+                                *(f"{k} ({sp})" for sp in others for k in ("exact match", "CER")),
+                                "identical tokens vs float", "encoder ms",
                                 "decoder ms/step", "end-to-end ms", "encoder MB", "INT8 share of MatMul MACs",
                                 "search s", "note"], anchors_rows)
     s = m["search"]
@@ -577,7 +590,8 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
         f"all groups INT8: {m['all_int8_score']:.1f})\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
         f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n{trace}\n\n"
-        f"## Check on {n_eval} eval formulas, beside the anchors (same formulas, same session options)\n\n"
+        f"## Check on {n_eval} eval formulas (and as many of each other split: the shift split holds formulas "
+        f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
         f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
         f"images interleaved across variants; compare ratios within this run. Seconds: sensitivity "
         f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}.\n")
@@ -608,7 +622,9 @@ def _print_summary(m: dict) -> None:
     if ours and base and "total_ms" in ours:
         speed = (f"; eval check n={ours['n']}: exact match {base['exact_match']:.3f} -> {ours['exact_match']:.3f}, "
                  f"encoder {base['encoder_ms'] / ours['encoder_ms']:.2f}x, end to end "
-                 f"{base['total_ms'] / ours['total_ms']:.2f}x faster (ort_cpu, 1 thread)")
+                 f"{base['total_ms'] / ours['total_ms']:.2f}x faster (ort_cpu, 1 thread)"
+                 + "".join(f"; {sp} n={v['n']}: {base['splits'][sp]['exact_match']:.3f} -> {v['exact_match']:.3f}"
+                           for sp, v in list(ours.get("splits", {}).items())[1:]))
     print(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
           f"({m['int8_mac_share']:.0%} of MatMul MACs), ort_cpu decoder {m.get('decoder_precision', 'float')}, "
           f"budget {'met' if m['met_budget'] else 'NOT met'}{speed}",
