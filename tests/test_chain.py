@@ -1,0 +1,58 @@
+"""The chain hands over: prune's model goes to quantize, quantize's graphs and model to export
+(what ``stage=all`` runs in order), on the tiny model; an unchanged rerun reuses every stage."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+
+CHAIN = ["model.max_length=8", "model.batch_size=4",
+         "prune.num_heads=2", "prune.eval_limit=2", "prune.score_images=2", "prune.refit_images=4",
+         "prune.compare_random=false", "prune.latency_images=1",
+         "quantize.calib_images=8", "quantize.search_images=8", "quantize.decoder_search_images=8",
+         "quantize.sensitivity_images=2", "quantize.eval_limit=2", "quantize.latency_images=1",
+         "quantize.anchors=false", "quantize.methods=[minmax]", "export.targets=[ort_cpu]",
+         "export.parity_limit=2", "export.parity_images=1", "export.min_cosine=0", "export.min_snr_db=-100",
+         "export.min_identical=0"]
+
+
+def _chain(root, original):
+    from pipeline.stages import export, prune, quantize
+
+    (root / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    ctx = fake_ctx(root, [f"prune.model={original}", f"export.formulas={root / 'formulas.txt'}", *CHAIN])
+    return {name: mod.run(OmegaConf.to_object(ctx.cfg[key]), ctx)
+            for name, mod, key in (("prune", prune, "prune"), ("quantize", quantize, "quantize"),
+                                   ("export", export, "export"))}
+
+
+def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path):
+    import datasets
+
+    from pipeline.data.render import render_formula
+
+    original = tmp_path / "tiny-model"
+    adapter = build_tiny()
+    adapter.save(original)
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
+    datasets.Dataset.from_dict({"pixel_values": images, "text": FORMULAS}).save_to_disk(
+        str(tmp_path / "calibrate" / "calib_set"))
+
+    first = _chain(tmp_path, original)
+    assert first["quantize"]["config"]["model_ref"] == "prune"  # quantize.model=auto took prune's model
+    pruned_heads = json.loads((tmp_path / "prune" / "model" / "config.json").read_text())["encoder_heads"]
+    assert sum(pruned_heads) == sum(adapter.encoder_head_counts()) - 2
+    pkg = tmp_path / "export-ort_cpu"
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    assert manifest["config"]["model_ref"] == "prune"  # export.model=auto: the model quantize used
+    assert manifest["inputs"]["model"] == first["quantize"]["inputs"]["model"]
+    assert manifest["inputs"]["qdq_encoder"] == first["quantize"]["outputs"]["encoder.ort_cpu.qdq.onnx"]
+    assert json.loads((pkg / "package.json").read_text())["precision"]["encoder"].startswith("int8 qdq")
+
+    again = _chain(tmp_path, original)
+    for stage in ("prune", "quantize"):
+        assert again[stage]["key"] == first[stage]["key"], stage
+    assert again["export"]["key"] == first["export"]["key"] == manifest["key"]  # one target: its manifest
