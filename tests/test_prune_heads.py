@@ -223,6 +223,32 @@ def test_refit_of_an_unpruned_model_keeps_it(tiny):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+def test_stronger_ridge_keeps_the_refit_closer_to_the_current_weights(tiny):
+    """The default ridge (1e-1, docs/prune.md: the shift split) trades fit on the refit images for
+    staying near the sliced weights: the first layer's projections move less, and fit less tightly."""
+    import copy
+
+    from pipeline.pruning import recover
+    from pipeline.pruning.heads import projections
+    from pipeline.stages.prune import PruneConfig
+
+    assert PruneConfig().ridge == 1e-1
+    x = torch.rand(6, *tiny.input_shape, generator=torch.Generator().manual_seed(5))
+    moved, err = {}, {}
+    for ridge in (1e-4, 1e-1, 1e1):
+        pruned = copy.copy(tiny)
+        pruned.model = copy.deepcopy(tiny.model)
+        pruned.remove_encoder_heads({0: [1, 2]})
+        o = projections(pruned.encoder_attention(0))[3]
+        w0 = o.weight.detach().clone()
+        report = recover.refit(pruned, tiny, x, [0], ridge=ridge, batch_size=3)
+        moved[ridge] = float((o.weight.detach() - w0).norm())
+        err[ridge] = report[0]["attn_rel_error_after"]
+        assert err[ridge] <= report[0]["attn_rel_error_before"] + 1e-9
+    assert moved[1e-4] > moved[1e-1] > moved[1e1]
+    assert err[1e-4] <= err[1e-1] + 1e-9 and err[1e-1] <= err[1e1] + 1e-9
+
+
 def test_distill_lowers_block_error_and_is_deterministic(tiny):
     import copy
 

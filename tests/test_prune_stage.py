@@ -90,6 +90,7 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     ("prune.criterion=l1", "prune.criterion and prune.compare_criteria take l2_qkv"),
     ("prune.distill_lr=0", "prune.lr and prune.distill_lr must be > 0"),
     ("prune.distill_epochs=-1", "prune.distill_epochs, prune.distill_minutes"),
+    ("prune.ridge=-0.1", "prune.ridge must be >= 0"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):
