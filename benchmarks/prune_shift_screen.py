@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.data.render import RenderError, render_formula  # noqa: E402
 from pipeline.data.templates import templated_formulas  # noqa: E402
 from pipeline.evaluation import EvalItem, evaluate_items  # noqa: E402
-from pipeline.pruning import recover, select  # noqa: E402
+from pipeline.pruning import recover, scores as head_scores, select  # noqa: E402
 from pipeline.stages import prune as stage  # noqa: E402
 
 HELD_OUT_CALIB = 32
@@ -86,7 +86,7 @@ def main() -> None:
     original = ctx.load_model("original")
     cfg = stage.PruneConfig(eval_limit=a.n, eval_splits=["eval", "shift"])
     items = stage._eval_items(cfg, ctx, original)
-    scores = json.loads(next(ctx.artifacts_dir.glob("prune-head-scores-*/scores.json")).read_text())
+    scores = {"l2_qkv": head_scores.l2_scores(stage._attention_layers(original))}  # weight norms: no cache needed
 
     calib = ctx.split("calib")
     calib = [calib[i] for i in np.random.default_rng(ctx.seed + 2).permutation(len(calib))]
