@@ -68,3 +68,21 @@ def test_multirun_jobs_go_through_the_joblib_launcher():
         GlobalHydra.instance().clear()
     assert cfg.hydra.launcher._target_ == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
     assert cfg.hydra.launcher.n_jobs == 3
+
+
+@pytest.mark.parametrize("setting, tty, expected", [
+    (None, True, True), (None, False, False), (True, False, True), (False, True, False)])
+def test_progress_bars_only_on_a_terminal_unless_set(monkeypatch, setting, tty, expected):
+    import io
+    import sys
+
+    from pipeline.context import StageContext
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return tty
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    overrides = [] if setting is None else [f"progress={str(setting).lower()}"]
+    assert compose_cfg(overrides).progress is setting
+    assert StageContext(compose_cfg(overrides)).progress is expected
