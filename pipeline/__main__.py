@@ -62,11 +62,12 @@ def run_stages(cfg: DictConfig) -> dict:
 
 def check_config(cfg: DictConfig) -> None:
     """Checks that need more than one field's dataclass (``__post_init__`` covers the numbers):
-    artifact names are single folder names, the artifacts root can be a folder."""
+    artifact names are single folder names, the artifacts root can be a folder, the stage reads
+    the ``data`` group it was given."""
     from omegaconf import OmegaConf
 
     from pipeline.files import check_name, check_output_dir
-    from pipeline.stages import STAGES
+    from pipeline.stages import STAGES, check_data_group
 
     OmegaConf.to_object(cfg.model)  # ModelConfig.__post_init__: also on multirun jobs
     for spec in STAGES.values():
@@ -74,6 +75,7 @@ def check_config(cfg: DictConfig) -> None:
         if section is not None and "name" in section:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
+    check_data_group(str(cfg.stage), str(cfg.data.kind))
 
 
 def _task(cfg: DictConfig) -> None:

@@ -83,9 +83,6 @@ def _root_fields() -> list[tuple[str, Any, Any]]:
         ("model", ModelConfig, field(default_factory=ModelConfig)),
         ("data", DataConfig, field(default_factory=DataConfig)),
         ("target", TargetConfig, field(default_factory=TargetConfig)),
-        # stage=infer reads with an exported package alone
-        ("package", Optional[str], field(default=None)),
-        ("image", Optional[str], field(default=None)),
     ]
     for spec in STAGES.values():
         if spec.config_cls is not None and spec.config_key not in {f[0] for f in fields}:

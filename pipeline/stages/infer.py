@@ -1,6 +1,6 @@
 """Stage infer: read formula images with an exported package alone (ONNX Runtime, no torch model).
 
-``python -m pipeline stage=infer package=<folder or export stage name> image=<image or folder>``
+``python -m pipeline stage=infer infer.package=<folder or export stage name> infer.image=<image or folder>``
 prints ``<file>\\t<latex>`` per image (sorted by name); ``infer.output=FILE`` also writes them.
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ CONFIG_KEY = "infer"
 
 @dataclass
 class InferConfig:
+    package: Optional[str] = None      # exported package folder, or an export stage's name under the root
+    image: Optional[str] = None        # an image file, or a folder of images
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
     batch_size: int = 8
     threads: int = 0                   # ONNX Runtime intra-op threads; 0 = its default
@@ -38,18 +40,18 @@ Config = InferConfig
 
 def image_paths(ref: Optional[str]) -> list[Path]:
     if not ref:
-        raise ConfigError("stage=infer needs image=<image file or folder of images>")
+        raise ConfigError("stage=infer needs infer.image=<image file or folder of images>")
     path = Path(ref)
     if path.is_dir():
-        return files.image_files(path, "image")
+        return files.image_files(path, "infer.image")
     if not path.is_file():
-        raise InputError(f"image={ref}: no such file or folder")
+        raise InputError(f"infer.image={ref}: no such file or folder")
     return [path]
 
 
 def run(cfg: InferConfig, ctx: StageContext) -> dict:
-    folder = files.find_package(ctx.cfg.package, ctx.artifacts_dir, "package")
-    paths = image_paths(ctx.cfg.image)
+    folder = files.find_package(cfg.package, ctx.artifacts_dir, "infer.package")
+    paths = image_paths(cfg.image)
     if cfg.output:  # before the work, not after it
         files.check_output_file(cfg.output, "infer.output")
     package = OnnxPackage(folder, threads=cfg.threads)
@@ -65,7 +67,7 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
     if skipped:
         print(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}", flush=True)
     if not images:
-        raise ImageError(f"image={ctx.cfg.image}: no readable image: {'; '.join(skipped[:3])}")
+        raise ImageError(f"infer.image={cfg.image}: no readable image: {'; '.join(skipped[:3])}")
     import numpy as np
 
     t0 = time.perf_counter()
