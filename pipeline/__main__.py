@@ -51,11 +51,11 @@ def run_stages(cfg: DictConfig) -> dict:
         spec = STAGES[name]
         if not spec.built:
             if cfg.stage == "all":
-                print(f"[{name}] not built yet: skipped", flush=True)
+                log.warning(f"[{name}] not built yet: skipped")
                 continue
             raise PipelineError(f"stage {name!r} is not built yet")
         stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
-        print(f"[{name}] {spec.doc}", flush=True)
+        log.info(f"[{name}] {spec.doc}")
         results[name] = spec.run(stage_cfg, ctx)
     return results
 

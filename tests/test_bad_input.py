@@ -348,7 +348,7 @@ def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bom
               "eval.latency_samples=0", "progress=false"]
     ok = run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'a'}")
     assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
-    assert "skipped 1 unreadable image(s): bomb.png: 400,000,000 pixels is above" in ok.stdout
+    assert "WARNING: [evaluate] skipped 1 unreadable image(s): bomb.png: 400,000,000 pixels is above" in ok.stderr
     (folder / "labels.tsv").write_text("bomb.png\ty\n")
     one_error(run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'b'}"),
               "bomb.png", "pixel limit")
@@ -356,7 +356,7 @@ def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bom
     pkg = work / "art" / "export-ort_cpu"
     ok = run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={folder}", f"artifacts.dir={tmp_path / 'c'}")
     assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
-    assert "bomb.png: 400,000,000 pixels is above" in ok.stdout and ok.stdout.count("\t") == 2  # f0, f1 read
+    assert "bomb.png: 400,000,000 pixels is above" in ok.stderr and ok.stdout.count("\t") == 2  # f0, f1 read
     one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={folder / 'bomb.png'}", f"artifacts.dir={tmp_path / 'c'}"),
               "bomb.png", "pixel limit")
 
@@ -456,3 +456,21 @@ def test_evaluate_with_an_image_folder_data_group_is_one_line_not_the_corpus(tmp
 def test_infer_options_live_under_infer(tmp_path):
     one_error(run_cli("stage=infer", f"artifacts.dir={tmp_path / 'a'}"), "infer.package is not set")
     one_error(run_cli("stage=infer", f"package={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"), "error: config:", "package")
+
+
+def test_one_labels_file_lookup_for_evaluate_and_calibrate(tmp_path):
+    from calibration.sets import ImageFolderSource
+    from pipeline import files
+    from pipeline.errors import InputError
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"")
+    assert files.labels_file(folder, None, "data.labels") is None  # unlabelled: calibrate buckets by image
+    with pytest.raises(InputError, match=re.escape(f"eval.labels is not set and {folder / 'labels.tsv'} does not exist")):
+        files.labels_file(folder, None, "eval.labels", required=True)
+    with pytest.raises(InputError, match=re.escape(f"data.labels: no such file {tmp_path / 'x.tsv'}")):
+        ImageFolderSource(folder, tmp_path / "x.tsv")
+    (folder / "labels.tsv").write_text("a.png\tx^2\n")
+    assert files.labels_file(folder, None, "eval.labels", required=True) == folder / "labels.tsv"
+    assert ImageFolderSource(folder).labels == {"a.png": "x^2"}

@@ -78,7 +78,7 @@ def test_evaluate_formulas_file_and_image_folder(tmp_path):
     proc = run_cli("stage=evaluate", f"eval.images={images}", f"artifacts.dir={tmp_path / 'b'}",
                    "model.max_length=70", "eval.latency_samples=0", "progress=false")
     assert proc.returncode == 0, proc.stderr
-    assert "skipped 1 unreadable image(s): broken.png" in proc.stdout
+    assert "skipped 1 unreadable image(s): broken.png" in proc.stderr  # a warning: stderr
     m2 = json.loads((tmp_path / "b" / "evaluate" / "eval.json").read_text())
     assert m2["n"] == 3 and m2["exact_match"] == m["exact_match"]
 

@@ -9,19 +9,21 @@ rendered by the project's renderer), or ``eval.images=DIR`` with a labels file
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
-from tqdm import tqdm
 
 from pipeline import files
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import ImageError, PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items, latency_batch1
 from pipeline.reports import grouped_bar_plot, markdown_table
+
+log = logging.getLogger(__name__)
 
 NAME = "evaluate"
 CONFIG_KEY = "eval"
@@ -80,14 +82,8 @@ def load_items(cfg: EvalConfig, ctx: StageContext, adapter,
         pairs = pairs[:cfg.limit]
     if not pairs:
         raise PipelineError(f"nothing to evaluate in {source}")
-    items, skipped = [], []
-    for fid, latex in tqdm(pairs, desc="render", disable=not ctx.progress):
-        try:
-            items.append(EvalItem(fid, latex, adapter.preprocess(render_formula(latex))))
-        except RenderError:
-            skipped.append(fid)
-    if skipped:
-        print(f"[evaluate] {len(skipped)} formula(s) mathtext cannot render were skipped: {skipped[:5]}")
+    items = [EvalItem(fid, latex, tensor) for fid, latex, tensor
+             in render_inputs(pairs, adapter.preprocess, progress=ctx.progress, desc=f"evaluate {source}")]
     if not items:
         raise PipelineError(f"no formula in {source} could be rendered")
     return items, inputs, source
@@ -97,9 +93,7 @@ def _image_items(cfg: EvalConfig, adapter) -> tuple[list[EvalItem], dict[str, st
     folder = Path(cfg.images)
     if not folder.is_dir():
         raise PipelineError(f"eval.images: no such folder {folder}")
-    labels_path = Path(cfg.labels) if cfg.labels else folder / "labels.tsv"
-    if not labels_path.is_file():
-        raise PipelineError(f"eval.images needs a labels file ('<file>\\t<latex>' lines): {labels_path} not found")
+    labels_path = files.labels_file(folder, cfg.labels, "eval.labels", required=True)
     labels = files.read_labels(labels_path, "eval.labels")
     if cfg.limit:
         labels = labels[:cfg.limit]
@@ -109,11 +103,11 @@ def _image_items(cfg: EvalConfig, adapter) -> tuple[list[EvalItem], dict[str, st
             items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(folder / name))))
         except ImageError as exc:
             skipped.append(str(exc))
-    if skipped:
-        print(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     if not items:
         raise ImageError(f"eval.images: no readable image among the {len(labels)} labelled in {labels_path}: "
                          f"{'; '.join(skipped[:3])}")
+    if skipped:
+        log.warning(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     return items, {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}"
 
 
@@ -131,7 +125,7 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
     config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
     with ctx.output(name, config, inputs) as out:
         if out.reused:
-            print(f"[evaluate] unchanged, reused {out.path}")
+            log.info(f"[evaluate] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         per_split: dict[str, dict] = {}
@@ -171,11 +165,10 @@ def _by_split(m: dict) -> dict[str, dict]:
 def _print_summary(m: dict) -> None:
     for split, s in _by_split(m).items():
         ie = s.get("image_exact_match")
-        print(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
-              f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
-              f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
-              f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})",
-              flush=True)
+        log.info(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
+                 f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
+                 f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
+                 f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})")
 
 
 _LENGTH_BUCKETS = [(0, 10), (10, 20), (20, 40), (40, 80), (80, 10**9)]

@@ -5,6 +5,7 @@ prints ``<file>\\t<latex>`` per image (sorted by name); ``infer.output=FILE`` al
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ from pipeline import files
 from pipeline.context import StageContext, check_max_length
 from pipeline.errors import ConfigError, ImageError, InputError, check_range
 from pipeline.export.runtime import OnnxPackage
+
+log = logging.getLogger(__name__)
 
 NAME = "infer"
 CONFIG_KEY = "infer"
@@ -64,10 +67,10 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
             names.append(p.name)
         except ImageError as exc:
             skipped.append(str(exc))
-    if skipped:
-        print(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}", flush=True)
     if not images:
         raise ImageError(f"infer.image={cfg.image}: no readable image: {'; '.join(skipped[:3])}")
+    if skipped:
+        log.warning(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     import numpy as np
 
     t0 = time.perf_counter()
@@ -75,10 +78,10 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
     seconds = time.perf_counter() - t0
     lines = [f"{n}\t{t}" for n, t in zip(names, result.texts)]
     for line in lines:
-        print(line, flush=True)
+        print(line, flush=True)  # the predictions are the command's output, not log lines
     if package.provider != package.meta.get("provider"):
-        print(f"[infer] {package.meta.get('provider')} is not available here; ran on {package.provider}", flush=True)
-    print(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']})", flush=True)
+        log.warning(f"[infer] {package.meta.get('provider')} is not available here; ran on {package.provider}")
+    log.info(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']})")
     if cfg.output:
         Path(cfg.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"predictions": dict(zip(names, result.texts)), "hit_cap": dict(zip(names, result.hit_cap)),
