@@ -458,6 +458,21 @@ def test_infer_options_live_under_infer(tmp_path):
     one_error(run_cli("stage=infer", f"package={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"), "error: config:", "package")
 
 
+def test_a_failed_export_keeps_its_parity_report_where_the_error_says(work, tmp_path):
+    art = tmp_path / "a"
+    base = [*EXPORT_ARGS, f"export.model={work / 'tiny'}", f"export.formulas={work / 'formulas.txt'}",
+            f"artifacts.dir={art}"]
+    line = one_error(run_cli(*base, "export.min_snr_db=1000"), "parity beyond tolerance for ort_cpu", "SNR")
+    kept = art / "failed" / "export-ort_cpu"
+    assert f"report kept in {kept}" in line
+    report = json.loads((kept / "parity.json").read_text())
+    assert report["failures"] and report["tolerances"]["min_snr_db"] == 1000 and report["tensors"]
+    assert not (art / "export-ort_cpu").exists()  # the package itself is not published
+    ok = run_cli(*base)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (art / "export-ort_cpu" / "parity.json").is_file() and not kept.exists()  # the stale report goes
+
+
 def test_one_labels_file_lookup_for_evaluate_and_calibrate(tmp_path):
     from calibration.sets import ImageFolderSource
     from pipeline import files

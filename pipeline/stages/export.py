@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -17,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from pipeline.artifacts import atomic_write_dir
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
@@ -174,8 +176,6 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
             raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
         meta = write_package(out.path, adapter, built, target, max_length)
 
-        engines = _tensorrt(cfg, out.path, meta, built) if target.name == "tensorrt" else None
-
         # parity on ONNX Runtime CPU, the reference runtime for every target
         package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")
         calib_items = render_inputs(calib, adapter.preprocess, cfg.parity_images, ctx.progress, "export calib")
@@ -188,12 +188,20 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
             ("fp16" if any("fp16" in p for p in meta["precision"].values()) else "fp32")
         tol = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else v) for k, v in TOLERANCES[level].items()}
         failures = check_tolerances(tensors, None, **tol)
-        if failures:  # fail before the costly greedy decoding
-            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+        if failures:  # fail before the costly greedy decoding; the numbers stay readable
+            (out.path / "parity.json").write_text(json.dumps(
+                {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tolerance_level": level,
+                 "tensors": tensors, "failures": failures}, indent=2) + "\n")
+            raise _parity_failed(ctx, out.path, name, target.name, failures)
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
                               progress=ctx.progress)
         failures = check_tolerances(tensors, tokens, **tol)
+        # engines only for a package that passed parity (a build takes minutes and ships what failed)
+        engines = None
+        if target.name == "tensorrt":
+            engines = ({"built": False, "reason": "parity failed"} if failures
+                       else _tensorrt(cfg, out.path, meta, built))
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
         metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
                    "tolerance_level": level, "tensors": tensors,
@@ -207,10 +215,31 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         write_report(out.path, meta, built.histograms, metrics, tokens.rows, failures)
         if failures:
-            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+            raise _parity_failed(ctx, out.path, name, target.name, failures)
         out.metrics.update(metrics)
+    shutil.rmtree(_failed_folder(ctx, name), ignore_errors=True)  # a stale report of an earlier failure
     _print_summary(metrics)
     return out.manifest
+
+
+# what a failed export keeps, outside the (discarded) package folder: <artifacts>/failed/<name>/
+FAILED_DIR = "failed"
+FAILED_FILES = ("parity.json", "parity_rows.jsonl", "report.md", "op_histogram.png")
+
+
+def _failed_folder(ctx: StageContext, name: str) -> Path:
+    return ctx.artifacts_dir / FAILED_DIR / name
+
+
+def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, failures: list[str]) -> PipelineError:
+    """Copy the parity report of a package that failed to ``failed/<name>/`` (the package folder is
+    temporary and goes with the error); the error names where it is."""
+    kept = _failed_folder(ctx, name)
+    with atomic_write_dir(kept) as tmp:
+        for f in FAILED_FILES:
+            if (folder / f).is_file():
+                shutil.copy2(folder / f, tmp / f)
+    return PipelineError(f"parity beyond tolerance for {target}: {'; '.join(failures)} (report kept in {kept})")
 
 
 def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
