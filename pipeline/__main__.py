@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import pipeline
 from pipeline import interrupts
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(pipeline.CONF_DIR)  # the checkout's conf/, or the installed package's
 log = logging.getLogger("pipeline")
 
 
