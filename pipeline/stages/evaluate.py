@@ -59,75 +59,91 @@ def sources(cfg: EvalConfig) -> list[Optional[str]]:
     return splits
 
 
-def load_items(cfg: EvalConfig, ctx: StageContext, adapter,
-               split: Optional[str] = None) -> tuple[list[EvalItem], dict[str, str], str]:
-    """The (image, truth) pairs to evaluate, their input hashes, and a description of the source."""
+@dataclass
+class Source:
+    """One thing to evaluate, read but not yet rendered: its (id, latex) pairs (or labelled image
+    files), the input hashes that decide reuse, and a description."""
+    pairs: list[tuple[str, str]]
+    inputs: dict[str, str]
+    description: str
+    folder: Optional[Path] = None   # eval.images: the pairs are (file name, latex) in this folder
+
+
+def read_source(cfg: EvalConfig, ctx: StageContext, split: Optional[str] = None) -> Source:
+    """What to evaluate from ``eval.images``, ``eval.formulas`` or a corpus split: files and hashes
+    only, so reuse is decided before the model is loaded and anything is rendered."""
     if cfg.formulas and cfg.images:
         raise PipelineError("give eval.formulas or eval.images, not both")
     if cfg.limit is not None and cfg.limit <= 0:
         raise PipelineError(f"eval.limit must be positive, got {cfg.limit}")
     if cfg.images:
-        return _image_items(cfg, adapter)
+        folder = Path(cfg.images)
+        if not folder.is_dir():
+            raise PipelineError(f"eval.images: no such folder {folder}")
+        labels_path = files.labels_file(folder, cfg.labels, "eval.labels", required=True)
+        labels = files.read_labels(labels_path, "eval.labels")
+        return Source(labels[:cfg.limit] if cfg.limit else labels,
+                      {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}", folder)
     if cfg.formulas:
         path = Path(cfg.formulas)
         pairs = [(f"line{i}", ln) for i, ln in files.read_formulas(path, "eval.formulas")]
         source, inputs = f"file {path}", {"formulas": file_hash(path)}
     else:
         split = split or cfg.split or "eval"
-        formulas = ctx.split(split)
-        pairs = [(f.id, f.latex) for f in formulas]
+        pairs = [(f.id, f.latex) for f in ctx.split(split)]
         source = "shift split (packages the corpus never read)" if split == "shift" else f"corpus split '{split}'"
         inputs = {f"split:{split}": ctx.split_hash(split)}
     if cfg.limit:
         pairs = pairs[:cfg.limit]
     if not pairs:
         raise PipelineError(f"nothing to evaluate in {source}")
+    return Source(pairs, inputs, source)
+
+
+def load_items(src: Source, adapter, progress: bool) -> list[EvalItem]:
+    """The (image, truth) pairs of a source: images decoded, or formulas rendered, and preprocessed."""
+    if src.folder is not None:
+        return _image_items(src, adapter)
     items = [EvalItem(fid, latex, tensor) for fid, latex, tensor
-             in render_inputs(pairs, adapter.preprocess, progress=ctx.progress, desc=f"evaluate {source}")]
+             in render_inputs(src.pairs, adapter.preprocess, progress=progress, desc=f"evaluate {src.description}")]
     if not items:
-        raise PipelineError(f"no formula in {source} could be rendered")
-    return items, inputs, source
+        raise PipelineError(f"no formula in {src.description} could be rendered")
+    return items
 
 
-def _image_items(cfg: EvalConfig, adapter) -> tuple[list[EvalItem], dict[str, str], str]:
-    folder = Path(cfg.images)
-    if not folder.is_dir():
-        raise PipelineError(f"eval.images: no such folder {folder}")
-    labels_path = files.labels_file(folder, cfg.labels, "eval.labels", required=True)
-    labels = files.read_labels(labels_path, "eval.labels")
-    if cfg.limit:
-        labels = labels[:cfg.limit]
+def _image_items(src: Source, adapter) -> list[EvalItem]:
     items, skipped = [], []
-    for name, latex in labels:
+    for name, latex in src.pairs:
         try:
-            items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(folder / name))))
+            items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(src.folder / name))))
         except ImageError as exc:
             skipped.append(str(exc))
     if not items:
-        raise ImageError(f"eval.images: no readable image among the {len(labels)} labelled in {labels_path}: "
+        raise ImageError(f"eval.images: no readable image among the {len(src.pairs)} labelled in {src.folder}: "
                          f"{'; '.join(skipped[:3])}")
     if skipped:
         log.warning(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
-    return items, {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}"
+    return items
 
 
 def run(cfg: EvalConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     name = cfg.name or ("evaluate" if cfg.model in ("original", "package") else f"evaluate-{Path(cfg.model).name}")
-    adapter = ctx.load_model(cfg.model)
-    loaded: dict[str, tuple[list[EvalItem], str]] = {}  # split (or "input") -> items, source
+    read: dict[str, Source] = {}  # split (or "input") -> what to evaluate
     inputs: dict[str, str] = {}
     for split in sources(cfg):
-        items, split_inputs, source = load_items(cfg, ctx, adapter, split)
-        loaded[split or "input"] = (items, source)
-        inputs.update(split_inputs)
+        src = read_source(cfg, ctx, split)
+        read[split or "input"] = src
+        inputs.update(src.inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
     config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
     with ctx.output(name, config, inputs) as out:
-        if out.reused:
+        if out.reused:  # decided on hashes alone: no model loaded, nothing rendered
             log.info(f"[evaluate] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
+        adapter = ctx.load_model(cfg.model)
+        loaded = {key: (load_items(src, adapter, ctx.progress), src.description) for key, src in read.items()}
         per_split: dict[str, dict] = {}
         rows: list[dict] = []
         for key, (items, source) in loaded.items():
