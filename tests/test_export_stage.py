@@ -12,6 +12,8 @@ import pytest
 from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package, run_export
 from pipeline.errors import PipelineError
 
+pytestmark = pytest.mark.slow  # every test here exports or decodes with the real model
+
 
 @pytest.fixture(scope="module")
 def ort_pkg() -> Path:

@@ -12,6 +12,8 @@ from pipeline.metrics import normalize
 from conftest import make_ctx, run_cli
 from export_session import FORMULAS, MAX_LENGTH, ort_package  # one export per session
 
+pytestmark = pytest.mark.slow  # the package is the real model exported
+
 
 @pytest.fixture(scope="module")
 def pkg():
