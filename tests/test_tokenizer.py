@@ -5,7 +5,6 @@ Small in-test formula lists keep this fast; the real corpus is only used by the 
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
