@@ -44,7 +44,6 @@ LENGTH_EDGES = (0, 10, 20, 40, 80)            # normalized characters
 WIDTH_EDGES = (0, 64, 128, 256, 384)          # ink px on the model's canvas
 HEIGHT_EDGES = (0, 20, 32, 48, 72)            # ink px on the model's canvas
 DENSITY_EDGES = (0.0, 0.15, 0.25, 0.35)       # ink share inside the ink box (unlabelled sources)
-STRUCTURES = ("frac", "bigop", "scripts+", "scripts", "plain")
 
 _FRAC = re.compile(r"\\(?:[dtc]?frac|over|binom|[dt]binom|choose)(?![a-zA-Z])")
 _BIGOP = re.compile(r"\\(?:sum|prod|coprod|i+nt|oint|lim|limsup|liminf|bigcup|bigcap|bigoplus|bigotimes|"
@@ -253,10 +252,6 @@ class CorpusSource(Source):
         return self._images[source_id]
 
 
-def read_labels(path: Path) -> dict[str, str]:
-    return dict(files.read_labels(path, "data.labels"))
-
-
 class ImageFolderSource(Source):
     """Every file under a folder (sorted); images decode, everything else is a named skip."""
 
@@ -264,11 +259,8 @@ class ImageFolderSource(Source):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise PipelineError(f"data.path: no such folder {self.folder}")
-        labels_path = Path(labels) if labels else self.folder / "labels.tsv"
-        if labels and not labels_path.is_file():
-            raise PipelineError(f"data.labels: no such file {labels_path}")
-        self.labels_path = labels_path if labels_path.is_file() else None
-        self.labels = read_labels(labels_path) if self.labels_path else {}
+        self.labels_path = files.labels_file(self.folder, labels, "data.labels")
+        self.labels = dict(files.read_labels(self.labels_path, "data.labels")) if self.labels_path else {}
         self.files = sorted((p for p in self.folder.rglob("*") if p.is_file()
                              and (self.labels_path is None or p.resolve() != self.labels_path.resolve())),
                             key=lambda p: p.relative_to(self.folder).as_posix())

@@ -8,16 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import pipeline
 from pipeline import interrupts
 from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(pipeline.CONF_DIR)  # the checkout's conf/, or the installed package's
 log = logging.getLogger("pipeline")
 
 
@@ -51,22 +51,23 @@ def run_stages(cfg: DictConfig) -> dict:
         spec = STAGES[name]
         if not spec.built:
             if cfg.stage == "all":
-                print(f"[{name}] not built yet: skipped", flush=True)
+                log.warning(f"[{name}] not built yet: skipped")
                 continue
             raise PipelineError(f"stage {name!r} is not built yet")
         stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
-        print(f"[{name}] {spec.doc}", flush=True)
+        log.info(f"[{name}] {spec.doc}")
         results[name] = spec.run(stage_cfg, ctx)
     return results
 
 
 def check_config(cfg: DictConfig) -> None:
     """Checks that need more than one field's dataclass (``__post_init__`` covers the numbers):
-    artifact names are single folder names, the artifacts root can be a folder."""
+    artifact names are single folder names, the artifacts root can be a folder, the stage reads
+    the ``data`` group it was given."""
     from omegaconf import OmegaConf
 
     from pipeline.files import check_name, check_output_dir
-    from pipeline.stages import STAGES
+    from pipeline.stages import STAGES, check_data_group
 
     OmegaConf.to_object(cfg.model)  # ModelConfig.__post_init__: also on multirun jobs
     for spec in STAGES.values():
@@ -74,6 +75,7 @@ def check_config(cfg: DictConfig) -> None:
         if section is not None and "name" in section:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
+    check_data_group(str(cfg.stage), str(cfg.data.kind))
 
 
 def _task(cfg: DictConfig) -> None:

@@ -82,7 +82,6 @@ class StageOutput:
     manifest: dict[str, Any]
     reused: bool = False
     metrics: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -119,7 +118,6 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
                         for p in sorted(tmp.rglob("*")) if p.is_file()},
             "libraries": library_versions(),
             "metrics": out.metrics,
-            **out.extra,
             "seconds": round(time.time() - started, 2),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))

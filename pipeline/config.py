@@ -77,14 +77,12 @@ def _root_fields() -> list[tuple[str, Any, Any]]:
     fields: list[tuple[str, Any, Any]] = [
         ("stage", str, field(default="evaluate")),
         ("seed", int, field(default=0)),
-        ("progress", bool, field(default=True)),
+        # progress bars: null = only when stderr is a terminal (a log file of `make run` gets none)
+        ("progress", Optional[bool], field(default=None)),
         ("artifacts", ArtifactsConfig, field(default_factory=ArtifactsConfig)),
         ("model", ModelConfig, field(default_factory=ModelConfig)),
         ("data", DataConfig, field(default_factory=DataConfig)),
         ("target", TargetConfig, field(default_factory=TargetConfig)),
-        # stage=infer reads with an exported package alone
-        ("package", Optional[str], field(default=None)),
-        ("image", Optional[str], field(default=None)),
     ]
     for spec in STAGES.values():
         if spec.config_cls is not None and spec.config_key not in {f[0] for f in fields}:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,7 +38,8 @@ class StageContext:
 
     @property
     def progress(self) -> bool:
-        return bool(self.cfg.progress)
+        """Progress bars: ``progress=true|false`` when set, else only when stderr is a terminal."""
+        return progress_enabled(self.cfg.get("progress"))
 
     def section(self, key: str) -> dict[str, Any]:
         return OmegaConf.to_container(self.cfg[key], resolve=True)  # type: ignore[return-value]
@@ -162,6 +164,15 @@ class StageContext:
     def upstream(self, stage: str) -> dict[str, Any]:
         """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""
         return read_manifest(self.artifacts_dir / stage)
+
+
+def progress_enabled(setting: bool | None) -> bool:
+    """An explicit setting wins; unset (null), bars only when stderr is a terminal, so a log file
+    of a run (``make run > log 2>&1``) does not fill with tqdm's redraws."""
+    if setting is not None:
+        return bool(setting)
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def check_max_length(max_length: int, limit: int | None, what: str, key: str = "model.max_length") -> None:

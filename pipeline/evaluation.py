@@ -19,7 +19,7 @@ from pipeline.data.render import RenderError, render_formula
 from pipeline.metrics import bleu4, corpus_cer, edit_distance, normalize, strip_display
 
 
-def image_exact_match(pred: str, truth: str, truth_image: np.ndarray | None = None) -> bool:
+def image_exact_match(pred: str, truth: str) -> bool:
     """im2latex image metric: render both, binarize, crop, drop blank columns, compare pixels.
 
     Spellings that draw the same (``*`` vs ``\\ast``, ``\\text`` vs ``\\mathrm``) match; the
@@ -29,7 +29,7 @@ def image_exact_match(pred: str, truth: str, truth_image: np.ndarray | None = No
         p = _binary(render_formula(strip_display(pred)))
     except RenderError:
         return False
-    t = truth_image if truth_image is not None else _binary(render_formula(truth))
+    t = _binary(render_formula(truth))
     return p.shape == t.shape and bool(np.array_equal(p, t))
 
 

@@ -71,6 +71,23 @@ def read_labels(path: str | Path, key: str) -> list[tuple[str, str]]:
     return labels
 
 
+LABELS_NAME = "labels.tsv"  # an image folder's own labels file, used when no labels file is given
+
+
+def labels_file(folder: str | Path, labels: Optional[str | Path], key: str, required: bool = False) -> Optional[Path]:
+    """The labels file of an image folder: ``labels`` when given (it must exist), else
+    ``folder/labels.tsv`` when there is one, else None (``required``: one error naming ``key``)."""
+    path = Path(labels) if labels else Path(folder) / LABELS_NAME
+    if path.is_file():
+        return path
+    if labels:
+        raise InputError(f"{key}: no such file {path}")
+    if required:
+        raise InputError(f"{key} is not set and {path} does not exist: give a labels file "
+                         f"('<file>\\t<latex>' lines)")
+    return None
+
+
 def is_image_file(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES
 

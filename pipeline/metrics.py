@@ -19,7 +19,12 @@ import re
 from collections import Counter
 from typing import Sequence
 
-_ENVS = r"(?:equation|align|alignat|gather|displaymath|math|multline|eqnarray|split|aligned|gathered)\*?"
+# The display-math environments a formula may come wrapped in: one list for this normalizer and the
+# tokenizer's (pipeline/tokenization/atoms.py), which removes one of them around the whole formula
+DISPLAY_ENVIRONMENTS = ("equation", "align", "alignat", "gather", "displaymath", "math", "multline", "eqnarray")
+# alignment-only environments that sit inside one of those; only this normalizer removes them
+INNER_ENVIRONMENTS = ("split", "aligned", "gathered")
+_ENVS = r"(?:" + "|".join(DISPLAY_ENVIRONMENTS + INNER_ENVIRONMENTS) + r")\*?"
 _WRAPPERS = [
     re.compile(r"\\begin\{" + _ENVS + r"\}(?:\{[^{}]*\})?"),
     re.compile(r"\\end\{" + _ENVS + r"\}"),
@@ -55,9 +60,10 @@ def normalize(latex: str) -> str:
     while prev != s:  # nested single-token scripts (a^{b_{c}})
         prev = s
         s = _SINGLE_SCRIPT.sub(r"\1\2", s)
-    s = _WS.sub("", s)
-    # a command followed directly by a letter needs its space back to stay the same formula
-    return s
+    # every space goes, the one ending a control word too (``\alpha b`` -> ``\alphab``): both sides of
+    # a comparison are normalized alike, so exact match is unaffected; tokens() then reads
+    # ``\alphab`` as one command
+    return _WS.sub("", s)
 
 
 _BREAKS = re.compile(r"\\\\(?:\[[^\]]*\])?|&|\\(?:nonumber|notag)(?![a-zA-Z])|\\(?:label|tag)\{[^{}]*\}")

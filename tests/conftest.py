@@ -14,6 +14,18 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+# fixtures that hold the real model: a test that asks for one is `slow`, so `-m "not slow"` runs
+# no real-model inference (modules that use it without a fixture mark themselves)
+REAL_MODEL_FIXTURES = frozenset({"real_adapter"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 def compose_cfg(overrides: list[str] | None = None):
     """The resolved root config, as ``python -m pipeline`` would build it."""
     from hydra import compose, initialize_config_dir

@@ -95,3 +95,26 @@ def test_kv_cached_decoding_gives_the_same_tokens(real_adapter):
     cached = real_adapter.generate(x, max_length=70, batch_size=4, use_cache=True)
     assert cached.token_ids == full.token_ids
     assert cached.hit_cap == full.hit_cap
+
+
+def test_one_head_view_for_pruning_and_the_hf_adapter():
+    from torch import nn
+
+    from pipeline.adapters import attention, hf_vit
+    from pipeline.pruning import heads
+
+    assert heads.projections is attention.projections and heads.num_heads is attention.num_heads
+    assert hf_vit.num_heads is attention.num_heads
+
+    class HF(nn.Module):  # o_proj naming, no stated head count: q's width over head_dim
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(8, 8) for _ in range(4))
+            self.head_dim = 2
+
+    hf = HF()
+    assert attention.num_heads(hf) == 4 and attention.projections(hf)[3] is hf.o_proj
+    assert hf_vit.is_hf_attention(hf) and hf_vit.remove_hf_heads(hf, [1]) == [0, 2, 3]
+    assert attention.num_heads(attention.ExplicitAttention(8, 2, 4)) == 2
+    with pytest.raises(TypeError, match="no explicit q/k/v/out"):
+        attention.projections(nn.Linear(2, 2))

@@ -265,12 +265,12 @@ def test_a_broken_package_json_names_the_field(work, tmp_path, edit, needles):
 def test_a_broken_package_is_one_line_through_the_cli(work, tmp_path):
     pkg = copy_package(work, tmp_path / "pkg")
     (pkg / "package.json").write_text('{"graphs": ')
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
+    one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
               f"package.json in {pkg}: not JSON")
     (pkg / "package.json").write_text(json.dumps({**json.loads((work / "art" / "export-ort_cpu" / "package.json")
                                                                .read_text()), "bos_id": "one"}))
     (pkg / "tokenizer.json").write_text("garbage")
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
+    one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={work / 'images'}", f"artifacts.dir={tmp_path / 'a'}"),
               "'bos_id' must be an integer")
 
 
@@ -348,16 +348,16 @@ def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bom
               "eval.latency_samples=0", "progress=false"]
     ok = run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'a'}")
     assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
-    assert "skipped 1 unreadable image(s): bomb.png: 400,000,000 pixels is above" in ok.stdout
+    assert "WARNING: [evaluate] skipped 1 unreadable image(s): bomb.png: 400,000,000 pixels is above" in ok.stderr
     (folder / "labels.tsv").write_text("bomb.png\ty\n")
     one_error(run_cli("stage=evaluate", f"eval.images={folder}", *common, f"artifacts.dir={tmp_path / 'b'}"),
               "bomb.png", "pixel limit")
 
     pkg = work / "art" / "export-ort_cpu"
-    ok = run_cli("stage=infer", f"package={pkg}", f"image={folder}", f"artifacts.dir={tmp_path / 'c'}")
+    ok = run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={folder}", f"artifacts.dir={tmp_path / 'c'}")
     assert ok.returncode == 0 and "Traceback" not in ok.stderr, ok.stderr[-3000:]
-    assert "bomb.png: 400,000,000 pixels is above" in ok.stdout and ok.stdout.count("\t") == 2  # f0, f1 read
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={folder / 'bomb.png'}", f"artifacts.dir={tmp_path / 'c'}"),
+    assert "bomb.png: 400,000,000 pixels is above" in ok.stderr and ok.stdout.count("\t") == 2  # f0, f1 read
+    one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={folder / 'bomb.png'}", f"artifacts.dir={tmp_path / 'c'}"),
               "bomb.png", "pixel limit")
 
 
@@ -389,9 +389,9 @@ def test_a_cap_above_the_models_position_table_is_refused_with_its_limit(work, t
                       f"model.max_length={TINY_MAX_POSITIONS + 1}", f"artifacts.dir={tmp_path / 'a'}"),
               f"model.max_length={TINY_MAX_POSITIONS + 1}", f"above the {TINY_MAX_POSITIONS} positions")
     pkg = work / "art" / "export-ort_cpu"
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", "infer.max_length=1000",
+    one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={work / 'images'}", "infer.max_length=1000",
                       f"artifacts.dir={tmp_path / 'a'}"), "infer.max_length=1000", f"{TINY_MAX_POSITIONS} positions")
-    one_error(run_cli("stage=infer", f"package={pkg}", f"image={work / 'images'}", "infer.threads=-1",
+    one_error(run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={work / 'images'}", "infer.threads=-1",
                       f"artifacts.dir={tmp_path / 'a'}"), "infer.threads")
 
 
@@ -423,7 +423,69 @@ def test_artifacts_dir_on_a_file_is_one_line(tmp_path):
 
 
 def test_infer_output_into_a_missing_folder_is_refused_before_the_work(work, tmp_path):
-    proc = run_cli("stage=infer", f"package={work / 'art' / 'export-ort_cpu'}", f"image={work / 'images'}",
+    proc = run_cli("stage=infer", f"infer.package={work / 'art' / 'export-ort_cpu'}", f"infer.image={work / 'images'}",
                    f"infer.output={tmp_path / 'missing' / 'out.tsv'}", f"artifacts.dir={tmp_path / 'a'}")
     one_error(proc, "infer.output", "does not exist")
     assert "\t" not in proc.stdout  # refused before anything was read
+
+
+# ---- 6. the data group ---------------------------------------------------------------------------
+@pytest.mark.parametrize("stage, own", [("evaluate", "eval.images=DIR"), ("export", "export.formulas=FILE"),
+                                        ("benchmark", "benchmark.formulas=FILE"), ("infer", "infer.image="),
+                                        ("tokenizer", "")])
+def test_a_stage_that_does_not_read_the_data_group_refuses_it(tmp_path, stage, own):
+    from conftest import compose_cfg
+    from pipeline.__main__ import check_config
+    from pipeline.errors import ConfigError
+
+    cfg = compose_cfg([f"stage={stage}", "data=image_folder", f"data.path={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"])
+    with pytest.raises(ConfigError, match=f"data=image_folder: stage {stage} does not read the data group") as err:
+        check_config(cfg)
+    assert own in str(err.value)
+    for ok in ("calibrate", "quantize", "all"):  # these hand the group on (quantize through calibrate's set)
+        check_config(compose_cfg([f"stage={ok}", "data=image_folder", f"data.path={tmp_path}",
+                                  f"artifacts.dir={tmp_path / 'a'}"]))
+
+
+def test_evaluate_with_an_image_folder_data_group_is_one_line_not_the_corpus(tmp_path):
+    one_error(run_cli("stage=evaluate", "data=image_folder", f"data.path={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"),
+              "error: config: data=image_folder: stage evaluate does not read the data group", "eval.images=DIR")
+    assert not (tmp_path / "a").exists()
+
+
+def test_infer_options_live_under_infer(tmp_path):
+    one_error(run_cli("stage=infer", f"artifacts.dir={tmp_path / 'a'}"), "infer.package is not set")
+    one_error(run_cli("stage=infer", f"package={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"), "error: config:", "package")
+
+
+def test_a_failed_export_keeps_its_parity_report_where_the_error_says(work, tmp_path):
+    art = tmp_path / "a"
+    base = [*EXPORT_ARGS, f"export.model={work / 'tiny'}", f"export.formulas={work / 'formulas.txt'}",
+            f"artifacts.dir={art}"]
+    line = one_error(run_cli(*base, "export.min_snr_db=1000"), "parity beyond tolerance for ort_cpu", "SNR")
+    kept = art / "failed" / "export-ort_cpu"
+    assert f"report kept in {kept}" in line
+    report = json.loads((kept / "parity.json").read_text())
+    assert report["failures"] and report["tolerances"]["min_snr_db"] == 1000 and report["tensors"]
+    assert not (art / "export-ort_cpu").exists()  # the package itself is not published
+    ok = run_cli(*base)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (art / "export-ort_cpu" / "parity.json").is_file() and not kept.exists()  # the stale report goes
+
+
+def test_one_labels_file_lookup_for_evaluate_and_calibrate(tmp_path):
+    from calibration.sets import ImageFolderSource
+    from pipeline import files
+    from pipeline.errors import InputError
+
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(b"")
+    assert files.labels_file(folder, None, "data.labels") is None  # unlabelled: calibrate buckets by image
+    with pytest.raises(InputError, match=re.escape(f"eval.labels is not set and {folder / 'labels.tsv'} does not exist")):
+        files.labels_file(folder, None, "eval.labels", required=True)
+    with pytest.raises(InputError, match=re.escape(f"data.labels: no such file {tmp_path / 'x.tsv'}")):
+        ImageFolderSource(folder, tmp_path / "x.tsv")
+    (folder / "labels.tsv").write_text("a.png\tx^2\n")
+    assert files.labels_file(folder, None, "eval.labels", required=True) == folder / "labels.tsv"
+    assert ImageFolderSource(folder).labels == {"a.png": "x^2"}

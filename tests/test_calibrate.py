@@ -253,9 +253,12 @@ def test_near_and_exact_duplicates_are_removed_distinct_formulas_kept(rendered, 
 
 
 # ---- an image folder ------------------------------------------------------------------------------
-def test_image_folder_with_bad_files_builds_and_names_the_skips(image_folder, real_adapter, tmp_path, capsys):
+def test_image_folder_with_bad_files_builds_and_names_the_skips(image_folder, real_adapter, tmp_path, caplog):
+    import logging
+
     import datasets
 
+    caplog.set_level(logging.INFO, logger="pipeline.stages.calibrate")
     manifest = _run(_ctx(tmp_path, ["data=image_folder", f"data.path={image_folder}", "calibrate.size=32"],
                          real_adapter))
     m = manifest["metrics"]
@@ -266,8 +269,10 @@ def test_image_folder_with_bad_files_builds_and_names_the_skips(image_folder, re
     assert m["duplicate_items"]["zz_near.jpg"] == "near duplicate of f00.png"
     assert m["usable"] == GOOD  # every mode and format decoded: grey, RGBA, 16-bit, palette, inverted, bmp, tiff, jpg
     assert m["scheme"] == "image" and m["size"] == 32
-    printed = capsys.readouterr().out
-    assert "6 skipped" in printed and "corrupt.png" in printed
+    logged = {level: " | ".join(r.getMessage() for r in caplog.records
+                                if r.name == "pipeline.stages.calibrate" and r.levelname == level)
+              for level in ("INFO", "WARNING")}
+    assert "6 skipped" in logged["INFO"] and "corrupt.png" in logged["WARNING"]  # the skips are a warning
 
     ds = datasets.load_from_disk(str(tmp_path / "calibrate" / "calib_set")).with_format("torch")
     assert len(ds) == 32

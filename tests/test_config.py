@@ -23,10 +23,21 @@ def test_config_errors_are_one_line_and_exit_2(tmp_path, override, needle):
 
 
 def test_defaults_compose_and_stage_group_selects_stage():
+    from omegaconf import OmegaConf
+
+    from pipeline.config import DataConfig, ModelConfig
+    from pipeline.stages import STAGES
+
     cfg = compose_cfg(["stage=prune", "target=metax"])
     assert cfg.stage == "prune"
     assert cfg.target.name == "metax" and cfg.target.max_opset == 17
-    assert cfg.model.adapter == "latex_ocr_junia"
+    for name, spec in STAGES.items():  # each stage's group selects it, and its section is its dataclass's defaults
+        cfg = compose_cfg([f"stage={name}"])
+        assert cfg.stage == name
+        assert OmegaConf.to_object(cfg[spec.config_key]) == spec.config_cls()
+    assert OmegaConf.to_object(cfg.model) == ModelConfig() and OmegaConf.to_object(cfg.data) == DataConfig()
+    typed = OmegaConf.to_object(compose_cfg(["eval.limit=7"]))  # an override arrives typed, in its section
+    assert typed.eval.limit == 7 and typed.eval.model == "original"
 
 
 def test_unbuilt_stage_says_so(monkeypatch, tmp_path):
@@ -68,3 +79,44 @@ def test_multirun_jobs_go_through_the_joblib_launcher():
         GlobalHydra.instance().clear()
     assert cfg.hydra.launcher._target_ == "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
     assert cfg.hydra.launcher.n_jobs == 3
+
+
+@pytest.mark.parametrize("setting, tty, expected", [
+    (None, True, True), (None, False, False), (True, False, True), (False, True, False)])
+def test_progress_bars_only_on_a_terminal_unless_set(monkeypatch, setting, tty, expected):
+    import io
+    import sys
+
+    from pipeline.context import StageContext
+
+    class Stream(io.StringIO):
+        def isatty(self):
+            return tty
+
+    monkeypatch.setattr(sys, "stderr", Stream())
+    overrides = [] if setting is None else [f"progress={str(setting).lower()}"]
+    assert compose_cfg(overrides).progress is setting
+    assert StageContext(compose_cfg(overrides)).progress is expected
+
+
+def test_a_non_editable_install_finds_its_conf(tmp_path):
+    """conf/ ships as pipeline/conf: the installed package composes its config away from the checkout."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "artifacts", "__pycache__", "*.json"))
+    shutil.copy(REPO / "pyproject.toml", src / "pyproject.toml")
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(src)], check=True, capture_output=True, timeout=300)
+    assert (target / "pipeline" / "conf" / "config.yaml").is_file()
+    assert (target / "pipeline" / "conf" / "hydra" / "job_logging" / "pipeline.yaml").is_file()
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "stage=evaluate", "model.batch_size=0",
+                           f"artifacts.dir={tmp_path / 'a'}"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(target)}, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: config: model.batch_size=0: must be >= 1"

@@ -34,6 +34,16 @@ def test_evaluate_reports_eval_and_shift_splits_side_by_side(corpus_root):
     shift_ids = {f.id for f in make_ctx(corpus_root).split("shift")[:3]}
     assert len(rows) == 6 and all(r["steps"] >= 1 for r in rows)
     assert {r["id"] for r in rows if r["split"] == "shift"} == shift_ids
+    # the figures are the predictions' own: recomputed from predictions.jsonl with pipeline.metrics
+    from pipeline.metrics import bleu4, corpus_cer, exact_match
+    truths = {f.id: f.latex for split in ("eval", "shift") for f in make_ctx(corpus_root).split(split)[:3]}
+    for split, s in m["splits"].items():
+        mine = [r for r in rows if r["split"] == split]
+        assert all(r["truth"] == truths[r["id"]] for r in mine)
+        preds, gold = [r["pred"] for r in mine], [r["truth"] for r in mine]
+        assert s["exact_match"] == pytest.approx(sum(exact_match(p, t) for p, t in zip(preds, gold)) / 3)
+        assert s["cer"] == pytest.approx(corpus_cer(preds, gold)) and s["bleu"] == pytest.approx(bleu4(preds, gold))
+        assert s["image_exact_match"] == pytest.approx(sum(r["image_exact"] for r in mine) / 3)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["metrics"]["splits"]["shift"]["n"] == 3 and "eval.json" in manifest["outputs"]
     assert {"split:eval", "split:shift", "model"} <= set(manifest["inputs"])
@@ -78,7 +88,7 @@ def test_evaluate_formulas_file_and_image_folder(tmp_path):
     proc = run_cli("stage=evaluate", f"eval.images={images}", f"artifacts.dir={tmp_path / 'b'}",
                    "model.max_length=70", "eval.latency_samples=0", "progress=false")
     assert proc.returncode == 0, proc.stderr
-    assert "skipped 1 unreadable image(s): broken.png" in proc.stdout
+    assert "skipped 1 unreadable image(s): broken.png" in proc.stderr  # a warning: stderr
     m2 = json.loads((tmp_path / "b" / "evaluate" / "eval.json").read_text())
     assert m2["n"] == 3 and m2["exact_match"] == m["exact_match"]
 
@@ -111,3 +121,27 @@ def test_sigterm_during_a_stage_is_one_line_exit_2_and_leaves_no_temp_output(tmp
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
         ["error: interrupted; previous artifacts left as they were"]
     assert not list(art.glob(".tmp-*")) and not (art / "evaluate").exists()
+
+
+def test_reuse_is_decided_before_the_model_is_loaded(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+    from tiny_model import build_tiny
+
+    from pipeline.context import StageContext
+    from pipeline.stages import evaluate
+
+    build_tiny().save(tmp_path / "tiny")
+    (tmp_path / "f.txt").write_text("x^2\na+b\n")
+    ctx = make_ctx(tmp_path / "a", [f"eval.model={tmp_path / 'tiny'}", f"eval.formulas={tmp_path / 'f.txt'}",
+                                    "model.max_length=8", "eval.latency_samples=0", "eval.image_match=false"])
+    cfg = OmegaConf.to_object(ctx.cfg.eval)
+    first = evaluate.run(cfg, ctx)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("an unchanged evaluate loaded the model")
+
+    monkeypatch.setattr(StageContext, "load_model", no_model)
+    assert evaluate.run(cfg, ctx) == first
+    (tmp_path / "f.txt").write_text("x^2\n")  # a changed input is a rerun, which needs the model
+    with pytest.raises(AssertionError, match="loaded the model"):
+        evaluate.run(cfg, ctx)

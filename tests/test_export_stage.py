@@ -12,6 +12,8 @@ import pytest
 from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package, run_export
 from pipeline.errors import PipelineError
 
+pytestmark = pytest.mark.slow  # every test here exports or decodes with the real model
+
 
 @pytest.fixture(scope="module")
 def ort_pkg() -> Path:
@@ -52,6 +54,8 @@ def test_parity_beyond_tolerance_names_the_output_and_writes_nothing():
         run_export("target=ort_cpu", "export.name=too-strict", "export.min_snr_db=1000", "export.simplify=false")
     assert not (artifacts_root() / "too-strict").exists()
     assert not list(artifacts_root().glob(".tmp-too-strict-*"))
+    kept = json.loads((artifacts_root() / "failed" / "too-strict" / "parity.json").read_text())  # readable after
+    assert kept["failures"] and kept["tensors"]["encoder.memory"]["snr_db"] < 1000
 
 
 def _qdq_encoder(float_encoder: Path, out: Path, symmetric: bool) -> Path:

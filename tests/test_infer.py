@@ -12,6 +12,8 @@ from pipeline.metrics import normalize
 from conftest import make_ctx, run_cli
 from export_session import FORMULAS, MAX_LENGTH, ort_package  # one export per session
 
+pytestmark = pytest.mark.slow  # the package is the real model exported
+
 
 @pytest.fixture(scope="module")
 def pkg():
@@ -29,7 +31,7 @@ def image_dir(tmp_path_factory):
 
 def test_infer_cli_reads_rendered_formulas_with_the_package_alone(pkg, image_dir, tmp_path):
     out = tmp_path / "predictions.tsv"
-    proc = run_cli("stage=infer", f"package={pkg}", f"image={image_dir}", f"infer.output={out}", "progress=false")
+    proc = run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={image_dir}", f"infer.output={out}", "progress=false")
     assert proc.returncode == 0, proc.stderr
     lines = out.read_text(encoding="utf-8").splitlines()
     assert [ln.split("\t")[0] for ln in lines] == ["f0.png", "f1.png"]
@@ -60,7 +62,7 @@ def test_infer_bad_input_is_one_clear_error(pkg, image_dir, tmp_path):
     from pipeline.stages import infer
 
     def run(package, image):
-        ctx = make_ctx(tmp_path, [f"package={package}", f"image={image}"])
+        ctx = make_ctx(tmp_path, [f"infer.package={package}", f"infer.image={image}"])
         return infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)
 
     with pytest.raises(PipelineError, match="not an exported package"):

@@ -56,3 +56,18 @@ def test_image_exact_match():
 def test_strip_display_keeps_spacing_for_rendering():
     assert strip_display(r"\begin{equation*}\alpha x\end{equation*}") == r"\alpha x"
     assert strip_display(r"$$a &= b \\$$") == "a = b"
+
+
+def test_one_list_of_display_environments_for_both_normalizers():
+    from pipeline.metrics import DISPLAY_ENVIRONMENTS, INNER_ENVIRONMENTS
+    from pipeline.tokenization.atoms import normalize_formula
+
+    for env in DISPLAY_ENVIRONMENTS:
+        for star in ("", "*"):
+            wrapped = rf"\begin{{{env}{star}}} x^{{2}} \end{{{env}{star}}}"
+            assert normalize(wrapped) == "x^2", env
+            assert normalize_formula(wrapped) == "x^{2}", env  # the tokenizer keeps the braces
+    for env in INNER_ENVIRONMENTS:  # alignment-only, inside a wrapper: metrics drops them, the tokenizer keeps them
+        inner = rf"\begin{{{env}}} a \end{{{env}}}"
+        assert normalize(rf"\begin{{equation}} {inner} \end{{equation}}") == "a"
+        assert normalize_formula(rf"\begin{{equation}} {inner} \end{{equation}}") == inner.strip()

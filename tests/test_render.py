@@ -73,3 +73,17 @@ def test_model_reads_the_recipe_but_not_a_tight_crop(real_adapter):
     tight_em = np.mean([exact_match(p, f) for p, f in zip(r2.texts, formulas)])
     assert ours_em >= 0.6, (ours_em, r.texts)
     assert tight_em <= ours_em - 0.25, (tight_em, r2.texts)
+
+
+def test_render_inputs_keeps_order_honours_the_limit_and_names_the_skipped(caplog):
+    import logging
+
+    from pipeline.data.render import render_inputs
+
+    pairs = [("a", "x^2"), ("bad", r"\frac{"), ("b", "a+b"), ("c", "y")]
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.render"):
+        items = render_inputs(pairs, lambda im: im.size, limit=2, desc="evaluate file f.txt")
+    assert [(i, t) for i, t, _ in items] == [("a", "x^2"), ("b", "a+b")]
+    assert all(isinstance(size, tuple) for _, _, size in items)
+    assert [r.getMessage() for r in caplog.records] == [
+        "evaluate file f.txt: skipped 1 formula(s) mathtext cannot render: bad"]

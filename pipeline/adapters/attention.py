@@ -103,6 +103,40 @@ def replace_mha(module: nn.Module) -> int:
     return count
 
 
+# ---- a head's view of any attention with separate q/k/v/out Linears (ExplicitAttention, HF-style):
+# the one definition; pruning (pipeline/pruning/heads.py) and the HF adapter (hf_vit.py) use these
+OUT_NAMES = ("out_proj", "o_proj")                      # the output projection's name by family
+HEAD_COUNT_NAMES = ("num_heads", "num_attention_heads")
+
+
+def out_projection_name(attn: nn.Module) -> str | None:
+    """Name of the output projection ``Linear`` (``out_proj``, ``o_proj``), None when there is none."""
+    for name in OUT_NAMES:
+        if isinstance(getattr(attn, name, None), nn.Linear):
+            return name
+    return None
+
+
+def projections(attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
+    """q, k, v and output projection ``Linear``s; TypeError for a module without them."""
+    out = out_projection_name(attn)
+    q, k, v = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
+    if out is None or not all(isinstance(m, nn.Linear) for m in (q, k, v)):
+        raise TypeError(f"{type(attn).__name__} has no explicit q/k/v/out Linear projections")
+    return q, k, v, getattr(attn, out)  # type: ignore[return-value]
+
+
+def num_heads(attn: nn.Module) -> int:
+    """The head count the module states, else q's width over ``head_dim``."""
+    for name in HEAD_COUNT_NAMES:
+        if hasattr(attn, name):
+            return int(getattr(attn, name))
+    q, d = getattr(attn, "q_proj", None), getattr(attn, "head_dim", None)
+    if isinstance(q, nn.Linear) and d:
+        return q.out_features // int(d)
+    raise TypeError(f"{type(attn).__name__} does not say how many heads it has")
+
+
 def head_slices(heads: Sequence[int], head_dim: int) -> torch.Tensor:
     return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads]) if heads \
         else torch.zeros(0, dtype=torch.long)

@@ -212,9 +212,6 @@ class ModelAdapter(abc.ABC):
         """The image -> memory part, as a module (for FLOP counting and export)."""
         return EncoderModule(self).eval()
 
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
 
 class EncoderModule(nn.Module):
     """``owner.encode`` as an ``nn.Module`` holding ``owner.model`` (any object with both)."""
@@ -230,7 +227,3 @@ class EncoderModule(nn.Module):
 
 def load_adapter(family: str, source: str, trust_checkpoint: bool = False) -> ModelAdapter:
     return adapter_class(family).load(source, trust_checkpoint=trust_checkpoint)
-
-
-def stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(list(tensors)) if tensors else torch.zeros(0)

@@ -18,23 +18,14 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from pipeline.adapters.attention import remove_heads_from_linears
+from pipeline.adapters.attention import (HEAD_COUNT_NAMES, num_heads, out_projection_name,
+                                        remove_heads_from_linears)
 from pipeline.errors import PipelineError
-
-OUT_NAMES = ("o_proj", "out_proj")
-HEAD_COUNT_NAMES = ("num_attention_heads", "num_heads")
-
-
-def _out_name(module: nn.Module) -> str | None:
-    for name in OUT_NAMES:
-        if isinstance(getattr(module, name, None), nn.Linear):
-            return name
-    return None
 
 
 def is_hf_attention(module: nn.Module) -> bool:
     return (all(isinstance(getattr(module, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj"))
-            and _out_name(module) is not None and hasattr(module, "head_dim"))
+            and out_projection_name(module) is not None and hasattr(module, "head_dim"))
 
 
 def hf_attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -42,20 +33,13 @@ def hf_attention_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_hf_attention(m)]
 
 
-def hf_num_heads(attn: nn.Module) -> int:
-    for name in HEAD_COUNT_NAMES:
-        if hasattr(attn, name):
-            return int(getattr(attn, name))
-    return attn.q_proj.out_features // int(attn.head_dim)
-
-
 def remove_hf_heads(attn: nn.Module, remove: Sequence[int]) -> list[int]:
     """Remove heads from one HF-style attention module in place; returns the kept head indices."""
-    out_name = _out_name(attn)
+    out_name = out_projection_name(attn)
     if out_name is None or not is_hf_attention(attn):
         raise PipelineError(f"{type(attn).__name__} is not HF-style attention (q_proj/k_proj/v_proj/o_proj)")
     q, k, v, o, keep = remove_heads_from_linears(attn.q_proj, attn.k_proj, attn.v_proj, getattr(attn, out_name),
-                                                 hf_num_heads(attn), int(attn.head_dim), remove)
+                                                 num_heads(attn), int(attn.head_dim), remove)
     attn.q_proj, attn.k_proj, attn.v_proj = q, k, v
     setattr(attn, out_name, o)
     for name in HEAD_COUNT_NAMES:  # forward reshapes with -1, the count is bookkeeping
@@ -105,7 +89,7 @@ class HFVisionEncoder:
         return EncoderModule(self).eval()
 
     def encoder_head_counts(self) -> list[int]:
-        return [hf_num_heads(a) for a in hf_attention_modules(self.model)]
+        return [num_heads(a) for a in hf_attention_modules(self.model)]
 
     def encoder_attention(self, layer: int) -> nn.Module:
         return hf_attention_modules(self.model)[layer]

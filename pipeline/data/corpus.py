@@ -18,7 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from tqdm import tqdm
 
@@ -73,13 +73,6 @@ def file_formulas(path: str, spaced_directive: bool = False) -> list[str]:
                 "math:" in node.value or (spaced_directive and "math ::" in node.value)):
             found.extend(extract_math(node.value, spaced_directive))
     return found
-
-
-def iter_docstring_formulas(package: str) -> Iterator[tuple[str, str]]:
-    """(formula, source file) for each math role / directive in ``package``'s string literals."""
-    for path, rel in package_files(package):
-        for formula in file_formulas(path):
-            yield formula, rel
 
 
 def _render_size(latex: str) -> tuple[int, int] | None:

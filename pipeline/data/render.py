@@ -10,6 +10,7 @@ import io
 import logging
 import threading
 import warnings
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 from PIL import Image
@@ -18,6 +19,7 @@ FONTSET = "cm"
 PX_PER_EM = 32
 INK_THRESHOLD = 250  # a pixel darker than this (of 255) is ink
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()  # mathtext's parser caches are not thread-safe
 # mathtext logs every unknown glyph it substitutes; a model's odd prediction is not news
 logging.getLogger("matplotlib.mathtext").setLevel(logging.ERROR)
@@ -66,9 +68,25 @@ def crop_to_ink(grey: Image.Image, threshold: int = INK_THRESHOLD) -> Image.Imag
     return None if box is None else grey.crop(box)
 
 
-def can_render(latex: str) -> bool:
-    try:
-        render_formula(latex)
-        return True
-    except RenderError:
-        return False
+def render_inputs(pairs: Iterable[tuple[str, str]], preprocess: Callable[[Image.Image], Any],
+                  limit: Optional[int] = None, progress: bool = False, desc: str = "render"
+                  ) -> list[tuple[str, str, Any]]:
+    """(id, latex, ``preprocess(image)``) for each formula mathtext renders, in order, at most
+    ``limit`` of them: the one render loop of evaluate, export and benchmark. The formulas it cannot
+    render are skipped and named in one warning (``desc`` says whose)."""
+    from tqdm import tqdm
+
+    items, skipped = [], []
+    for fid, latex in tqdm(pairs, desc=desc, disable=not progress):
+        if limit is not None and len(items) >= limit:
+            break
+        try:
+            image = render_formula(latex)
+        except RenderError:
+            skipped.append(str(fid))
+            continue
+        items.append((fid, latex, preprocess(image)))
+    if skipped:
+        log.warning("%s: skipped %d formula(s) mathtext cannot render: %s%s", desc, len(skipped),
+                    ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
+    return items

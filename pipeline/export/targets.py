@@ -51,13 +51,13 @@ def resolve_target(tcfg: Any) -> Target:
 
 def target_config(name: str):
     """The target group option ``conf/target/<name>.yaml`` on the typed schema, as Hydra composes it."""
-    from pathlib import Path
-
     from omegaconf import OmegaConf
 
     from pipeline.config import TargetConfig
 
     if name not in KNOWN:
         raise PipelineError(f"unknown export target {name!r}; known: {', '.join(KNOWN)}")
-    path = Path(__file__).resolve().parents[2] / "conf" / "target" / f"{name}.yaml"
+    from pipeline import CONF_DIR
+
+    path = CONF_DIR / "target" / f"{name}.yaml"
     return OmegaConf.merge(OmegaConf.structured(TargetConfig), OmegaConf.load(path))

@@ -112,7 +112,3 @@ def _check_qdq(node, name, graph, rules: Rules, const, producer) -> list[Violati
     if node.op_type == "QuantizeLinear" and rules.per_tensor_activations and scale.size != 1:
         found.append(Violation(graph, name, node.op_type, f"per-channel activation scale ({scale.size}), need per-tensor"))
     return found
-
-
-def qdq_node_count(model: onnx.ModelProto) -> int:
-    return sum(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)

@@ -12,20 +12,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-
-def projections(attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear, nn.Linear]:
-    out = getattr(attn, "out_proj", None) or getattr(attn, "o_proj", None)
-    q, k, v = (getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj"))
-    if not all(isinstance(m, nn.Linear) for m in (q, k, v, out)):
-        raise TypeError(f"{type(attn).__name__} has no explicit q/k/v/out Linear projections")
-    return q, k, v, out  # type: ignore[return-value]
-
-
-def num_heads(attn: nn.Module) -> int:
-    for name in ("num_heads", "num_attention_heads"):
-        if hasattr(attn, name):
-            return int(getattr(attn, name))
-    raise TypeError(f"{type(attn).__name__} does not say how many heads it has")
+# one definition of a head's view for pruning and the adapters (projections, num_heads are used from here)
+from pipeline.adapters.attention import num_heads, projections  # noqa: F401
 
 
 def head_dim(attn: nn.Module) -> int:

@@ -9,6 +9,9 @@ from typing import Any, Callable
 # Order of ``stage=all``: the baseline first, then each stage reading the previous one's artifacts.
 ORDER = ("evaluate", "prune", "tokenizer", "calibrate", "quantize", "export", "benchmark")
 EXTRA = ("infer",)
+# Stages whose images come from the ``data`` group (quantize through calibrate's set); every other
+# stage reads the corpus or its own keys and refuses ``data=image_folder|hf_disk`` in one line
+DATA_STAGES = ("calibrate", "quantize")
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,17 @@ def _load() -> dict[str, StageSpec]:
 
 
 STAGES: dict[str, StageSpec] = _load()
+
+
+def check_data_group(stage: str, kind: str) -> None:
+    """``stage=evaluate data=image_folder`` must not quietly evaluate the corpus: one error line
+    naming the stage's own key for its inputs. ``stage=all`` hands the group to :data:`DATA_STAGES`."""
+    from pipeline.errors import ConfigError
+
+    if kind == "corpus" or stage == "all" or stage in DATA_STAGES:
+        return
+    own = {"evaluate": "eval.images=DIR (and eval.labels=FILE) or eval.formulas=FILE",
+           "infer": "infer.image=<image or folder>",
+           "export": "export.formulas=FILE", "benchmark": "benchmark.formulas=FILE"}.get(stage)
+    raise ConfigError(f"data={kind}: stage {stage} does not read the data group (only "
+                      f"{', '.join(DATA_STAGES)} do){'; use ' + own if own else ''}")

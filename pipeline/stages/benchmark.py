@@ -28,7 +28,7 @@ from pipeline.benchmarking.variants import (PACKAGE, TORCH, TORCH_KV, Variant, p
                                             torch_variant)
 from pipeline import files
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.reports import markdown_table
 
@@ -87,18 +87,11 @@ def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[
 
 
 def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) -> tuple[np.ndarray, list[str]]:
-    images, truths = [], []
-    for latex in tqdm(formulas, desc="render", disable=not progress):
-        if limit is not None and len(truths) >= limit:
-            break
-        try:
-            images.append(adapter.preprocess(render_formula(latex)).numpy())
-        except RenderError:
-            continue
-        truths.append(latex)
-    if not truths:
+    items = render_inputs([(f"formula {i + 1}", latex) for i, latex in enumerate(formulas)],
+                          lambda image: adapter.preprocess(image).numpy(), limit, progress, "benchmark")
+    if not items:
         raise PipelineError("no benchmark formula could be rendered")
-    return np.stack(images).astype(np.float32), truths
+    return np.stack([t for _, _, t in items]).astype(np.float32), [latex for _, latex, _ in items]
 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
@@ -106,7 +99,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     defaults = DEFAULT_PACKAGES if cfg.default_packages else {}
     folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir)
     for note in notes:
-        print(f"[benchmark] {note}", flush=True)
+        log.info(f"[benchmark] {note}")
     max_length = int(ctx.cfg.model.max_length)
     formulas, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(cfg.model)
@@ -118,13 +111,13 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     config = {**asdict(cfg), "max_length": max_length, "packages_resolved": {k: str(v) for k, v in folders.items()}}
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
-            print(f"[benchmark] unchanged, reused {out.path}")
+            log.info(f"[benchmark] unchanged, reused {out.path}")
         else:
             out.metrics.update(_measure(cfg, ctx, folders, formulas, max_length, notes, out.path))
     metrics = out.metrics
     if cfg.summary:
         md, _ = summary.write_summary(ctx.artifacts_dir, out.path, metrics)
-        print(f"[benchmark] summary: {md}", flush=True)
+        log.info(f"[benchmark] summary: {md}")
     _print_summary(metrics)
     return out.manifest
 
@@ -309,11 +302,11 @@ def _write_report(folder: Path, m: dict) -> None:
 
 
 def _print_summary(m: dict) -> None:
-    print(f"[benchmark] {m['n_formulas']} formulas, cap {m['max_length']}, {m['threads']} thread(s); "
-          f"ratios vs {m['shipped']}:", flush=True)
-    print(summary.table(m["variants"]), flush=True)
+    log.info(f"[benchmark] {m['n_formulas']} formulas, cap {m['max_length']}, {m['threads']} thread(s); "
+             f"ratios vs {m['shipped']}:")
+    log.info(summary.table(m["variants"]))
     s = m.get("serving")
     if s:
-        print(f"[benchmark] serving {s['label']}: {s['clients']} clients x {s['requests_per_client']} requests: "
-              f"mean {s['mean_ms']:.0f} ms, p50 {s['p50_ms']:.0f} ms, p95 {s['p95_ms']:.0f} ms, "
-              f"{s['requests_per_s']:.2f} requests/s", flush=True)
+        log.info(f"[benchmark] serving {s['label']}: {s['clients']} clients x {s['requests_per_client']} requests: "
+                 f"mean {s['mean_ms']:.0f} ms, p50 {s['p50_ms']:.0f} ms, p95 {s['p95_ms']:.0f} ms, "
+                 f"{s['requests_per_s']:.2f} requests/s")

@@ -9,6 +9,7 @@ are removed, and ``calibrate.size`` images are drawn per bucket with the root ``
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from calibration import sets
 from pipeline.context import StageContext, file_hash
 from pipeline.errors import PipelineError
 from pipeline.reports import markdown_table, savefig
+
+log = logging.getLogger(__name__)
 
 NAME = "calibrate"
 CONFIG_KEY = "calibrate"
@@ -83,7 +86,7 @@ def run(cfg: CalibrateConfig, ctx: StageContext) -> dict:
                        for k in ("kind", "path", "labels", "image_column", "text_column")}}
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
-            print(f"[calibrate] unchanged, reused {out.path}")
+            log.info(f"[calibrate] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         adapter = ctx.load_model(cfg.model)
@@ -256,12 +259,12 @@ def _write_report(path: Path, m: dict) -> None:
 
 def _print_summary(m: dict) -> None:
     skipped = m.get("skipped_items") or {}
-    print(f"[calibrate] {m['size']} images from {m['source']}: coverage {m['covered_buckets']}/"
-          f"{m['nonempty_source_buckets']} buckets ({m['coverage']:.1%}), share TV distance "
-          f"{m['share_tv_distance']:.3f}; {m['skipped']} skipped, {m['duplicates']} duplicates removed", flush=True)
+    log.info(f"[calibrate] {m['size']} images from {m['source']}: coverage {m['covered_buckets']}/"
+             f"{m['nonempty_source_buckets']} buckets ({m['coverage']:.1%}), share TV distance "
+             f"{m['share_tv_distance']:.3f}; {m['skipped']} skipped, {m['duplicates']} duplicates removed")
     if skipped:
-        print(f"[calibrate] skipped: {_names(skipped, 10)}", flush=True)
+        log.warning(f"[calibrate] skipped: {_names(skipped, 10)}")
     if not m.get("within_share_distance", True):
-        print(f"[calibrate] warning: bucket share distance {m['share_tv_distance']:.3f} exceeds the stated "
-              f"{m['max_share_distance']}", flush=True)
+        log.warning(f"[calibrate] bucket share distance {m['share_tv_distance']:.3f} exceeds the stated "
+                    f"{m['max_share_distance']}")
 

@@ -9,19 +9,21 @@ rendered by the project's renderer), or ``eval.images=DIR`` with a labels file
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
-from tqdm import tqdm
 
 from pipeline import files
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import ImageError, PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items, latency_batch1
 from pipeline.reports import grouped_bar_plot, markdown_table
+
+log = logging.getLogger(__name__)
 
 NAME = "evaluate"
 CONFIG_KEY = "eval"
@@ -57,83 +59,91 @@ def sources(cfg: EvalConfig) -> list[Optional[str]]:
     return splits
 
 
-def load_items(cfg: EvalConfig, ctx: StageContext, adapter,
-               split: Optional[str] = None) -> tuple[list[EvalItem], dict[str, str], str]:
-    """The (image, truth) pairs to evaluate, their input hashes, and a description of the source."""
+@dataclass
+class Source:
+    """One thing to evaluate, read but not yet rendered: its (id, latex) pairs (or labelled image
+    files), the input hashes that decide reuse, and a description."""
+    pairs: list[tuple[str, str]]
+    inputs: dict[str, str]
+    description: str
+    folder: Optional[Path] = None   # eval.images: the pairs are (file name, latex) in this folder
+
+
+def read_source(cfg: EvalConfig, ctx: StageContext, split: Optional[str] = None) -> Source:
+    """What to evaluate from ``eval.images``, ``eval.formulas`` or a corpus split: files and hashes
+    only, so reuse is decided before the model is loaded and anything is rendered."""
     if cfg.formulas and cfg.images:
         raise PipelineError("give eval.formulas or eval.images, not both")
     if cfg.limit is not None and cfg.limit <= 0:
         raise PipelineError(f"eval.limit must be positive, got {cfg.limit}")
     if cfg.images:
-        return _image_items(cfg, adapter)
+        folder = Path(cfg.images)
+        if not folder.is_dir():
+            raise PipelineError(f"eval.images: no such folder {folder}")
+        labels_path = files.labels_file(folder, cfg.labels, "eval.labels", required=True)
+        labels = files.read_labels(labels_path, "eval.labels")
+        return Source(labels[:cfg.limit] if cfg.limit else labels,
+                      {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}", folder)
     if cfg.formulas:
         path = Path(cfg.formulas)
         pairs = [(f"line{i}", ln) for i, ln in files.read_formulas(path, "eval.formulas")]
         source, inputs = f"file {path}", {"formulas": file_hash(path)}
     else:
         split = split or cfg.split or "eval"
-        formulas = ctx.split(split)
-        pairs = [(f.id, f.latex) for f in formulas]
+        pairs = [(f.id, f.latex) for f in ctx.split(split)]
         source = "shift split (packages the corpus never read)" if split == "shift" else f"corpus split '{split}'"
         inputs = {f"split:{split}": ctx.split_hash(split)}
     if cfg.limit:
         pairs = pairs[:cfg.limit]
     if not pairs:
         raise PipelineError(f"nothing to evaluate in {source}")
-    items, skipped = [], []
-    for fid, latex in tqdm(pairs, desc="render", disable=not ctx.progress):
-        try:
-            items.append(EvalItem(fid, latex, adapter.preprocess(render_formula(latex))))
-        except RenderError:
-            skipped.append(fid)
-    if skipped:
-        print(f"[evaluate] {len(skipped)} formula(s) mathtext cannot render were skipped: {skipped[:5]}")
+    return Source(pairs, inputs, source)
+
+
+def load_items(src: Source, adapter, progress: bool) -> list[EvalItem]:
+    """The (image, truth) pairs of a source: images decoded, or formulas rendered, and preprocessed."""
+    if src.folder is not None:
+        return _image_items(src, adapter)
+    items = [EvalItem(fid, latex, tensor) for fid, latex, tensor
+             in render_inputs(src.pairs, adapter.preprocess, progress=progress, desc=f"evaluate {src.description}")]
     if not items:
-        raise PipelineError(f"no formula in {source} could be rendered")
-    return items, inputs, source
+        raise PipelineError(f"no formula in {src.description} could be rendered")
+    return items
 
 
-def _image_items(cfg: EvalConfig, adapter) -> tuple[list[EvalItem], dict[str, str], str]:
-    folder = Path(cfg.images)
-    if not folder.is_dir():
-        raise PipelineError(f"eval.images: no such folder {folder}")
-    labels_path = Path(cfg.labels) if cfg.labels else folder / "labels.tsv"
-    if not labels_path.is_file():
-        raise PipelineError(f"eval.images needs a labels file ('<file>\\t<latex>' lines): {labels_path} not found")
-    labels = files.read_labels(labels_path, "eval.labels")
-    if cfg.limit:
-        labels = labels[:cfg.limit]
+def _image_items(src: Source, adapter) -> list[EvalItem]:
     items, skipped = [], []
-    for name, latex in labels:
+    for name, latex in src.pairs:
         try:
-            items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(folder / name))))
+            items.append(EvalItem(name, latex, adapter.preprocess(files.open_image(src.folder / name))))
         except ImageError as exc:
             skipped.append(str(exc))
-    if skipped:
-        print(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     if not items:
-        raise ImageError(f"eval.images: no readable image among the {len(labels)} labelled in {labels_path}: "
+        raise ImageError(f"eval.images: no readable image among the {len(src.pairs)} labelled in {src.folder}: "
                          f"{'; '.join(skipped[:3])}")
-    return items, {"images": file_hash(folder), "labels": file_hash(labels_path)}, f"images {folder}"
+    if skipped:
+        log.warning(f"[evaluate] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
+    return items
 
 
 def run(cfg: EvalConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     name = cfg.name or ("evaluate" if cfg.model in ("original", "package") else f"evaluate-{Path(cfg.model).name}")
-    adapter = ctx.load_model(cfg.model)
-    loaded: dict[str, tuple[list[EvalItem], str]] = {}  # split (or "input") -> items, source
+    read: dict[str, Source] = {}  # split (or "input") -> what to evaluate
     inputs: dict[str, str] = {}
     for split in sources(cfg):
-        items, split_inputs, source = load_items(cfg, ctx, adapter, split)
-        loaded[split or "input"] = (items, source)
-        inputs.update(split_inputs)
+        src = read_source(cfg, ctx, split)
+        read[split or "input"] = src
+        inputs.update(src.inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
     config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
     with ctx.output(name, config, inputs) as out:
-        if out.reused:
-            print(f"[evaluate] unchanged, reused {out.path}")
+        if out.reused:  # decided on hashes alone: no model loaded, nothing rendered
+            log.info(f"[evaluate] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
+        adapter = ctx.load_model(cfg.model)
+        loaded = {key: (load_items(src, adapter, ctx.progress), src.description) for key, src in read.items()}
         per_split: dict[str, dict] = {}
         rows: list[dict] = []
         for key, (items, source) in loaded.items():
@@ -171,11 +181,10 @@ def _by_split(m: dict) -> dict[str, dict]:
 def _print_summary(m: dict) -> None:
     for split, s in _by_split(m).items():
         ie = s.get("image_exact_match")
-        print(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
-              f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
-              f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
-              f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})",
-              flush=True)
+        log.info(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
+                 f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
+                 f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
+                 f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})")
 
 
 _LENGTH_BUCKETS = [(0, 10), (10, 20), (20, 40), (40, 80), (80, 10**9)]

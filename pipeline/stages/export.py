@@ -8,6 +8,8 @@ report, and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt`` impo
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
@@ -16,8 +18,9 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from pipeline.artifacts import atomic_write_dir
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.files import read_formulas
 from pipeline.export import tensorrt as trt_build
@@ -26,6 +29,8 @@ from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import KNOWN, resolve_target, target_config
+
+log = logging.getLogger(__name__)
 
 NAME = "export"
 CONFIG_KEY = "export"
@@ -110,18 +115,6 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
     return model, folder / QUANTIZED_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
 
 
-def _render(adapter, pairs, limit: Optional[int], progress: bool, desc: str):
-    items = []
-    for fid, latex in tqdm(pairs, desc=desc, disable=not progress):
-        if limit is not None and len(items) >= limit:
-            break
-        try:
-            items.append((fid, latex, adapter.preprocess(render_formula(latex))))
-        except RenderError:
-            continue
-    return items
-
-
 FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
 
 
@@ -156,7 +149,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
     name = cfg.name or f"export-{target.name}"
     model_ref, qdq_path, int8_decoders, handed = _chain(cfg, ctx, target.name)
     if handed:
-        print(f"[export] {handed}", flush=True)
+        log.info(f"[export] {handed}")
     adapter = ctx.load_model(model_ref)
     calib, evals, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(model_ref)
@@ -170,7 +163,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
               "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
         if out.reused:
-            print(f"[export] unchanged, reused {out.path}")
+            log.info(f"[export] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
@@ -183,12 +176,10 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
             raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
         meta = write_package(out.path, adapter, built, target, max_length)
 
-        engines = _tensorrt(cfg, out.path, meta, built) if target.name == "tensorrt" else None
-
         # parity on ONNX Runtime CPU, the reference runtime for every target
         package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")
-        calib_items = _render(adapter, calib, cfg.parity_images, ctx.progress, "render calib")
-        eval_items = _render(adapter, evals, cfg.parity_limit, ctx.progress, "render eval")
+        calib_items = render_inputs(calib, adapter.preprocess, cfg.parity_images, ctx.progress, "export calib")
+        eval_items = render_inputs(evals, adapter.preprocess, cfg.parity_limit, ctx.progress, "export eval")
         if not calib_items or not eval_items:
             raise PipelineError("no parity formula could be rendered")
         truth_ids = [adapter.encode_text(latex)[:max_length] for _, latex, _ in calib_items]
@@ -197,12 +188,20 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
             ("fp16" if any("fp16" in p for p in meta["precision"].values()) else "fp32")
         tol = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else v) for k, v in TOLERANCES[level].items()}
         failures = check_tolerances(tensors, None, **tol)
-        if failures:  # fail before the costly greedy decoding
-            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+        if failures:  # fail before the costly greedy decoding; the numbers stay readable
+            (out.path / "parity.json").write_text(json.dumps(
+                {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tolerance_level": level,
+                 "tensors": tensors, "failures": failures}, indent=2) + "\n")
+            raise _parity_failed(ctx, out.path, name, target.name, failures)
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
                               progress=ctx.progress)
         failures = check_tolerances(tensors, tokens, **tol)
+        # engines only for a package that passed parity (a build takes minutes and ships what failed)
+        engines = None
+        if target.name == "tensorrt":
+            engines = ({"built": False, "reason": "parity failed"} if failures
+                       else _tensorrt(cfg, out.path, meta, built))
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
         metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
                    "tolerance_level": level, "tensors": tensors,
@@ -216,10 +215,31 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         write_report(out.path, meta, built.histograms, metrics, tokens.rows, failures)
         if failures:
-            raise PipelineError(f"parity beyond tolerance for {target.name}: " + "; ".join(failures))
+            raise _parity_failed(ctx, out.path, name, target.name, failures)
         out.metrics.update(metrics)
+    shutil.rmtree(_failed_folder(ctx, name), ignore_errors=True)  # a stale report of an earlier failure
     _print_summary(metrics)
     return out.manifest
+
+
+# what a failed export keeps, outside the (discarded) package folder: <artifacts>/failed/<name>/
+FAILED_DIR = "failed"
+FAILED_FILES = ("parity.json", "parity_rows.jsonl", "report.md", "op_histogram.png")
+
+
+def _failed_folder(ctx: StageContext, name: str) -> Path:
+    return ctx.artifacts_dir / FAILED_DIR / name
+
+
+def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, failures: list[str]) -> PipelineError:
+    """Copy the parity report of a package that failed to ``failed/<name>/`` (the package folder is
+    temporary and goes with the error); the error names where it is."""
+    kept = _failed_folder(ctx, name)
+    with atomic_write_dir(kept) as tmp:
+        for f in FAILED_FILES:
+            if (folder / f).is_file():
+                shutil.copy2(folder / f, tmp / f)
+    return PipelineError(f"parity beyond tolerance for {target}: {'; '.join(failures)} (report kept in {kept})")
 
 
 def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
@@ -232,8 +252,8 @@ def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
     (folder / "build_engines.sh").write_text("\n".join(lines) + "\n")
     (folder / "tensorrt_profiles.json").write_text(json.dumps(shapes, indent=2) + "\n")
     if not trt_build.tensorrt_available():
-        print("[export] tensorrt is not installed here: engines not built; run build_engines.sh "
-              "(trtexec) on a machine with TensorRT", flush=True)
+        log.warning("[export] tensorrt is not installed here: engines not built; run build_engines.sh "
+                    "(trtexec) on a machine with TensorRT")
         return {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
     if not cfg.trt_build:
         return {"built": False, "reason": "export.trt_build=false", "commands": "build_engines.sh"}
@@ -248,6 +268,6 @@ def _print_summary(m: dict) -> None:
     t = m["tokens"]
     worst_cos = min(s["cosine"] for s in m["tensors"].values())
     worst_snr = min(s["snr_db"] for s in m["tensors"].values())
-    print(f"[export] {m['target']}: identical greedy tokens {t['identical']:.3f} of {t['n']} "
-          f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
-          f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB", flush=True)
+    log.info(f"[export] {m['target']}: identical greedy tokens {t['identical']:.3f} of {t['n']} "
+             f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
+             f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB")

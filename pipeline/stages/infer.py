@@ -1,10 +1,11 @@
 """Stage infer: read formula images with an exported package alone (ONNX Runtime, no torch model).
 
-``python -m pipeline stage=infer package=<folder or export stage name> image=<image or folder>``
+``python -m pipeline stage=infer infer.package=<folder or export stage name> infer.image=<image or folder>``
 prints ``<file>\\t<latex>`` per image (sorted by name); ``infer.output=FILE`` also writes them.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,16 @@ from pipeline.context import StageContext, check_max_length
 from pipeline.errors import ConfigError, ImageError, InputError, check_range
 from pipeline.export.runtime import OnnxPackage
 
+log = logging.getLogger(__name__)
+
 NAME = "infer"
 CONFIG_KEY = "infer"
 
 
 @dataclass
 class InferConfig:
+    package: Optional[str] = None      # exported package folder, or an export stage's name under the root
+    image: Optional[str] = None        # an image file, or a folder of images
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
     batch_size: int = 8
     threads: int = 0                   # ONNX Runtime intra-op threads; 0 = its default
@@ -38,18 +43,18 @@ Config = InferConfig
 
 def image_paths(ref: Optional[str]) -> list[Path]:
     if not ref:
-        raise ConfigError("stage=infer needs image=<image file or folder of images>")
+        raise ConfigError("stage=infer needs infer.image=<image file or folder of images>")
     path = Path(ref)
     if path.is_dir():
-        return files.image_files(path, "image")
+        return files.image_files(path, "infer.image")
     if not path.is_file():
-        raise InputError(f"image={ref}: no such file or folder")
+        raise InputError(f"infer.image={ref}: no such file or folder")
     return [path]
 
 
 def run(cfg: InferConfig, ctx: StageContext) -> dict:
-    folder = files.find_package(ctx.cfg.package, ctx.artifacts_dir, "package")
-    paths = image_paths(ctx.cfg.image)
+    folder = files.find_package(cfg.package, ctx.artifacts_dir, "infer.package")
+    paths = image_paths(cfg.image)
     if cfg.output:  # before the work, not after it
         files.check_output_file(cfg.output, "infer.output")
     package = OnnxPackage(folder, threads=cfg.threads)
@@ -62,10 +67,10 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
             names.append(p.name)
         except ImageError as exc:
             skipped.append(str(exc))
-    if skipped:
-        print(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}", flush=True)
     if not images:
-        raise ImageError(f"image={ctx.cfg.image}: no readable image: {'; '.join(skipped[:3])}")
+        raise ImageError(f"infer.image={cfg.image}: no readable image: {'; '.join(skipped[:3])}")
+    if skipped:
+        log.warning(f"[infer] skipped {len(skipped)} unreadable image(s): {'; '.join(skipped[:5])}")
     import numpy as np
 
     t0 = time.perf_counter()
@@ -73,10 +78,10 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
     seconds = time.perf_counter() - t0
     lines = [f"{n}\t{t}" for n, t in zip(names, result.texts)]
     for line in lines:
-        print(line, flush=True)
+        print(line, flush=True)  # the predictions are the command's output, not log lines
     if package.provider != package.meta.get("provider"):
-        print(f"[infer] {package.meta.get('provider')} is not available here; ran on {package.provider}", flush=True)
-    print(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']})", flush=True)
+        log.warning(f"[infer] {package.meta.get('provider')} is not available here; ran on {package.provider}")
+    log.info(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']})")
     if cfg.output:
         Path(cfg.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"predictions": dict(zip(names, result.texts)), "hit_cap": dict(zip(names, result.hit_cap)),

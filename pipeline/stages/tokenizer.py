@@ -12,10 +12,12 @@ baseline BPE it was compared with, ``comparison.json``, ``report.md`` and a PNG 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from pipeline import files
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.errors import PipelineError
@@ -24,6 +26,8 @@ from pipeline.tokenization.atoms import normalize_formula, renderer_commands
 from pipeline.tokenization.report import write_report
 from pipeline.tokenization.train import (BOS, EOS, PAD, SPECIALS, UNK, model_char_vocabulary, train_formula_bpe,
                                          train_plain_bpe)
+
+log = logging.getLogger(__name__)
 
 NAME = "tokenizer"
 CONFIG_KEY = "tokenizer"
@@ -61,28 +65,10 @@ Config = TokenizerConfig
 
 
 def read_formula_file(path_str: str, option: str) -> tuple[list[str], dict]:
-    """Formulas of a one-per-line file; lines that are not UTF-8 are skipped and counted."""
-    path = Path(path_str)
-    if not path.is_file():
-        raise PipelineError(f"tokenizer.{option}: no such file {path}")
-    formulas, bad_lines, blank = [], [], 0
-    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            line = raw.decode("utf-8").strip()
-        except UnicodeDecodeError:
-            bad_lines.append(i)
-            continue
-        if line:
-            formulas.append(line)
-        else:
-            blank += 1
-    if bad_lines:
-        print(f"[tokenizer] {path}: skipped {len(bad_lines)} line(s) that are not UTF-8 "
-              f"(line {', '.join(map(str, bad_lines[:5]))}{' ...' if len(bad_lines) > 5 else ''})", flush=True)
-    if not formulas:
-        why = f"all {len(bad_lines)} non-blank line(s) are not UTF-8" if bad_lines else "the file is empty"
-        raise PipelineError(f"tokenizer.{option}: no formula in {path}: {why}")
-    return formulas, {"file": str(path), "lines_not_utf8": len(bad_lines), "blank_lines": blank}
+    """Formulas of a one-per-line UTF-8 file (:func:`pipeline.files.read_formulas`: a file that is
+    not UTF-8 is one error line, as for every stage)."""
+    lines = files.read_formulas(path_str, f"tokenizer.{option}")
+    return [ln for _, ln in lines], {"file": str(path_str)}
 
 
 def load_formulas(cfg: TokenizerConfig, ctx: StageContext) -> tuple[dict, dict]:
@@ -138,10 +124,10 @@ def _normalized(raw: list[str], role: str) -> tuple[list[str], list[str], int]:
             keep_raw.append(latex)
             keep_norm.append(norm)
     dropped = len(raw) - len(keep_raw)
-    if dropped:
-        print(f"[tokenizer] {role}: skipped {dropped} formula(s) that are empty once normalized", flush=True)
     if not keep_norm:
         raise PipelineError(f"no {role} formula is left once normalized (all were blank or only a math wrapper)")
+    if dropped:
+        log.warning(f"[tokenizer] {role}: skipped {dropped} formula(s) that are empty once normalized")
     return keep_raw, keep_norm, dropped
 
 
@@ -166,10 +152,13 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
     inputs["model_vocabulary"] = ctx.model_hash("original")
     known = renderer_commands() if cfg.renderer_commands else []
     inputs["renderer_commands"] = sha256_json(known)  # matplotlib's tables may change between versions
+    # read here, not after the reuse check: a new evaluate measurement is a changed input
+    step_ms, step_source = resolve_decode_step_ms(cfg, ctx)
+    inputs["decode_step_ms"] = f"{step_ms} ({step_source})"
     config = asdict(cfg)
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
-            print(f"[tokenizer] unchanged, reused {out.path}")
+            log.info(f"[tokenizer] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         train_raw, train_norm, train_dropped = _normalized(sources["train"]["formulas"], "train")
@@ -204,7 +193,6 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         capacities = sorted({16, 64, 256, 1024, 4096, cfg.cache_capacity})
         sweep = {key: [compare.replay(ours, workload, c, key=key, time_hits=False)["hit_rate"] for c in capacities]
                  for key in ("normalized", "raw")}
-        step_ms, step_source = resolve_decode_step_ms(cfg, ctx)
 
         char_name, plain_name, ours_name = (c.name for c in cands)
         held_fit, held_out = curve.holdout(train_norm, cfg.curve_holdout, ctx.seed)
@@ -315,17 +303,17 @@ def _print_summary(m: dict) -> None:
     c = m["cache"]["normalized"]
     saved = m["decode_ms_saved_vs_char"]
     ms = "" if saved is None else f" = {saved:.0f} ms at {m['decode_step_ms']:.1f} ms/step"
-    print("[tokenizer] " + " | ".join(parts), flush=True)
+    log.info("[tokenizer] " + " | ".join(parts))
     sh = m.get("shift")
     if sh:
-        print(f"[tokenizer] shift split ({sh['formulas']} formulas): {sh['reduction_vs_char']:.2f}x fewer tokens "
-              f"than char-level, {sh['tokenizers'][list(rows)[-1]]['commands_split']} commands split", flush=True)
+        log.info(f"[tokenizer] shift split ({sh['formulas']} formulas): {sh['reduction_vs_char']:.2f}x fewer tokens "
+                 f"than char-level, {sh['tokenizers'][list(rows)[-1]]['commands_split']} commands split")
     cv = m.get("curve")
     if cv:
-        print(f"[tokenizer] held-out train curve chooses vocab {cv['chosen_size']} "
-              f"(tolerance {cv['tolerance']:.0%}); configured {m['vocab_size_configured']}", flush=True)
-    print(f"[tokenizer] vocab {m['vocab_size']}; {m['reduction_vs_char']:.2f}x fewer tokens than char-level"
-          f"{' on the eval split' if sh else ''}, "
-          f"{m['reduction_vs_plain_bpe']:.2f}x fewer than plain BPE; saves {m['decode_steps_saved_vs_char']:.1f} "
-          f"decode steps{ms} per formula; cache hit rate {c['hit_rate']:.1%}, "
-          f"{c['ms_per_request'] * 1000:.1f} us/request", flush=True)
+        log.info(f"[tokenizer] held-out train curve chooses vocab {cv['chosen_size']} "
+                 f"(tolerance {cv['tolerance']:.0%}); configured {m['vocab_size_configured']}")
+    log.info(f"[tokenizer] vocab {m['vocab_size']}; {m['reduction_vs_char']:.2f}x fewer tokens than char-level"
+             f"{' on the eval split' if sh else ''}, "
+             f"{m['reduction_vs_plain_bpe']:.2f}x fewer than plain BPE; saves {m['decode_steps_saved_vs_char']:.1f} "
+             f"decode steps{ms} per formula; cache hit rate {c['hit_rate']:.1%}, "
+             f"{c['ms_per_request'] * 1000:.1f} us/request")

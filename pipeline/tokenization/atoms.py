@@ -28,6 +28,8 @@ from functools import lru_cache
 
 from tokenizers import Regex, normalizers, pre_tokenizers
 
+from pipeline.metrics import DISPLAY_ENVIRONMENTS
+
 # One atom. Order matters: a control word before a control symbol before a lone character; a lone
 # backslash (only possible at the very end of a string) is an atom of its own.
 ATOM_PATTERN = r"\\[a-zA-Z]+|\\[^a-zA-Z]|\\|[^\\]"
@@ -37,7 +39,8 @@ COMMAND_PATTERN = r"\\[a-zA-Z]+|\\[^a-zA-Z]"
 # happen inside a word, so words are made of atoms and a word boundary never falls inside one.
 WORD_PATTERN = r" ?(?:\\[a-zA-Z]+|\\[^a-zA-Z]|[^\\ ])+"
 
-_ENVS = r"(?:equation|align|alignat|gather|displaymath|math|multline|eqnarray)\*?"
+# the wrapper environments are metrics' list (one list; metrics also strips inner alignment ones)
+_ENVS = r"(?:" + "|".join(DISPLAY_ENVIRONMENTS) + r")\*?"
 _OPEN = r"\A ?(?:\$\$?|\\\[|\\\(|\\begin\{" + _ENVS + r"\}) ?"
 _CLOSE = r"(?<!\\) ?(?:\$\$?|\\\]|\\\)|\\end\{" + _ENVS + r"\}) ?\z"
 _EDGE_SPACE = r"\A |(?<!\\) \z"
