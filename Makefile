@@ -4,11 +4,12 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
-# the CPU build of torch: the +cpu local version exists only on PyTorch's CPU index (and in local
-# wheel folders), so pip cannot fall back to the multi-GB CUDA build PyPI serves for Linux.
-# macOS wheels carry no +cpu: make TORCH=torch==2.13.0
+# the CPU build of torch: the +cpu local version exists only in local wheel folders (these
+# machines: /opt/wheels, pip's find-links) and on PyTorch's CPU index, so pip cannot fall back to
+# the multi-GB CUDA build PyPI serves for Linux. Elsewhere:
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu      (macOS: make TORCH=torch==2.13.0)
 TORCH       ?= torch==2.13.0+cpu
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 
 .PHONY: run test venv clean-venv
 
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned to its CPU build; pyproject's torch==2.13.0 is then already met
-	$(BIN)/pip install --quiet --extra-index-url $(TORCH_INDEX) '$(TORCH)'
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH)'
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
