@@ -34,10 +34,6 @@ class _Stop(Exception):
     """Raised by a hook to end a forward pass once the layer of interest has been seen."""
 
 
-def _attns(adapter) -> list:
-    return [adapter.encoder_attention(i) for i in range(len(adapter.encoder_head_counts()))]
-
-
 def _block_of(model: nn.Module, attn: nn.Module) -> nn.Module:
     """The encoder block holding ``attn`` (its parent module)."""
     for m in model.modules():

@@ -6,7 +6,6 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.errors import PipelineError
 
 NORMALIZE = ("layer", "global")
 
@@ -15,7 +14,7 @@ def normalized(scores: Sequence[Sequence[float]], how: str) -> list[list[float]]
     """``layer``: each layer's scores divided by their L2 norm (Michel et al.), so layers with large
     weights do not keep all their heads; ``global``: the raw scores compared across layers."""
     if how not in NORMALIZE:
-        raise PipelineError(f"prune.normalize must be one of {', '.join(NORMALIZE)}, got {how!r}")
+        raise ValueError(f"normalize must be one of {', '.join(NORMALIZE)}, got {how!r}")
     if how == "global":
         return [list(map(float, s)) for s in scores]
     out = []
@@ -37,14 +36,14 @@ def select_heads(scores: Sequence[Sequence[float]], n_remove: int, min_per_layer
     Ties break by (layer, head) so the choice is deterministic."""
     counts = [len(s) for s in scores]
     if min_per_layer < 1:
-        raise PipelineError(f"prune.min_heads_per_layer must be at least 1 (a layer without heads is not "
-                            f"attention any more), got {min_per_layer}")
+        raise ValueError(f"min_per_layer must be at least 1 (a layer without heads is not attention any "
+                         f"more), got {min_per_layer}")
     if n_remove < 0:
-        raise PipelineError(f"cannot remove a negative number of heads ({n_remove})")
+        raise ValueError(f"cannot remove a negative number of heads ({n_remove})")
     limit = removable(counts, min_per_layer)
     if n_remove > limit:
-        raise PipelineError(f"removing {n_remove} of {sum(counts)} heads would leave a layer with fewer than "
-                            f"prune.min_heads_per_layer={min_per_layer} head(s); at most {limit} can go")
+        raise ValueError(f"removing {n_remove} of {sum(counts)} heads would leave a layer with fewer than "
+                         f"{min_per_layer} head(s); at most {limit} can go")
     norm = normalized(scores, normalize)
     order = sorted((s, layer, h) for layer, row in enumerate(norm) for h, s in enumerate(row))
     left = list(counts)
@@ -60,7 +59,7 @@ def select_heads(scores: Sequence[Sequence[float]], n_remove: int, min_per_layer
 
 def heads_for_ratio(head_counts: Sequence[int], ratio: float) -> int:
     if not 0.0 <= ratio < 1.0:
-        raise PipelineError(f"prune.ratio must be in [0, 1), got {ratio}")
+        raise ValueError(f"ratio must be in [0, 1), got {ratio}")
     return int(round(ratio * sum(head_counts)))
 
 
@@ -68,12 +67,12 @@ def heads_for_flops(reduction: float, flops_full: float, flops_per_head: float, 
                     min_per_layer: int) -> int:
     """Fewest heads whose removal cuts encoder FLOPs by ``reduction`` (FLOPs are linear in heads)."""
     if not 0.0 <= reduction < 1.0:
-        raise PipelineError(f"prune.flops_reduction must be in [0, 1), got {reduction}")
+        raise ValueError(f"reduction must be in [0, 1), got {reduction}")
     n = math.ceil(reduction * flops_full / flops_per_head - 1e-9) if reduction > 0 else 0
     limit = removable(head_counts, min_per_layer)
     if n > limit:
         best = limit * flops_per_head / flops_full
-        raise PipelineError(f"prune.flops_reduction={reduction} needs {n} heads removed, which would leave a layer "
-                            f"with fewer than prune.min_heads_per_layer={min_per_layer} head(s); removing heads "
-                            f"can cut at most {best:.1%} of encoder FLOPs here")
+        raise ValueError(f"a {reduction} reduction needs {n} heads removed, which would leave a layer with "
+                         f"fewer than {min_per_layer} head(s); removing heads can cut at most {best:.1%} of "
+                         f"encoder FLOPs here")
     return n

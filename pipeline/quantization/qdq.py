@@ -85,17 +85,30 @@ def static_defaults(float_model: Path, out: Path, reader) -> None:
         quantize_static(str(float_model), str(out), reader)
 
 
+class _ErrorsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
 @contextlib.contextmanager
 def _quiet():
-    """ORT's quantizer logs advice at WARNING on the root logger and its calibrators print progress
-    to stdout, once per call; a stage makes dozens of calls, so keep only errors."""
-    logger = logging.getLogger()
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """ORT's quantizer logs advice at WARNING straight on the root logger (``logging.warning``) and
+    its calibrators print progress to stdout, once per call; a stage makes dozens of calls, so keep
+    only errors. A filter on the root *logger* sees only records logged on it directly, so every
+    module logger of the process (ours included) keeps its level and its records; ORT's own named
+    loggers (``onnxruntime.quantization.*``, INFO per node) are raised to ERROR for the call."""
+    root = logging.getLogger()
+    quiet = _ErrorsOnly()
+    root.addFilter(quiet)
+    named = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("onnxruntime")]
+    levels = [lg.level for lg in named]
+    for lg in named:
+        lg.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
-
+        root.removeFilter(quiet)
+        for lg, level in zip(named, levels):
+            lg.setLevel(level)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import shutil
 import time
@@ -24,13 +25,14 @@ from tqdm import tqdm
 
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items
 from pipeline.pruning import count, recover, scores as head_scores, select
 from pipeline.pruning.heads import projections
 from pipeline.reports import markdown_table, savefig
 
+log = logging.getLogger(__name__)
 NAME = "prune"
 CONFIG_KEY = "prune"
 BUILT = True
@@ -152,19 +154,10 @@ def _artifact_name(cfg: PruneConfig) -> str:
 
 # ---- data -------------------------------------------------------------------------------------
 def _render(adapter, formulas, limit: int, progress: bool, desc: str) -> tuple[torch.Tensor, list[str], list[str]]:
-    images, latex, ids = [], [], []
-    for f in tqdm(formulas, desc=desc, disable=not progress, total=min(limit, len(formulas))):
-        if len(images) >= limit:
-            break
-        try:
-            images.append(adapter.preprocess(render_formula(f.latex)))
-        except RenderError:
-            continue
-        latex.append(f.latex)
-        ids.append(f.id)
-    if not images:
+    items = render_inputs([(f.id, f.latex) for f in formulas], adapter.preprocess, limit, progress, desc)
+    if not items:
         raise PipelineError(f"no {desc} formula could be rendered")
-    return torch.stack(images), latex, ids
+    return torch.stack([x for _, _, x in items]), [latex for _, latex, _ in items], [i for i, _, _ in items]
 
 
 def _train_pool(ctx: StageContext, seed: int) -> list:
@@ -192,8 +185,12 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     flops_full = count.encoder_flops(original)
     per_head = count.flops_per_head(original)
     if cfg.flops_reduction is not None:
-        n_remove = select.heads_for_flops(cfg.flops_reduction, flops_full, per_head, head_counts,
-                                          cfg.min_heads_per_layer)
+        try:
+            n_remove = select.heads_for_flops(cfg.flops_reduction, flops_full, per_head, head_counts,
+                                              cfg.min_heads_per_layer)
+        except ValueError as exc:  # unreachable with prune.min_heads_per_layer
+            raise PipelineError(f"prune.flops_reduction={cfg.flops_reduction} with prune.min_heads_per_layer="
+                                f"{cfg.min_heads_per_layer}: {exc}") from None
     elif cfg.num_heads is not None:
         n_remove = cfg.num_heads
     else:
@@ -214,7 +211,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
 
     with ctx.output(name, config, inputs) as out:
         if out.reused:
-            print(f"[prune] unchanged, reused {out.path}")
+            log.info(f"[prune] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         torch.manual_seed(ctx.seed)
@@ -457,9 +454,9 @@ def _print_summary(m: dict) -> None:
     acc = "; ".join(f"{name}: exact match {v['exact_match_original']:.3f} -> {v['exact_match']:.3f}"
                     + (f", CER {v['cer_original']:.3f} -> {v['cer']:.3f}" if "cer" in v else "")
                     + f" (n={v['n']})" for name, v in splits.items())
-    print(f"[prune] {m['criterion']}: {m['heads_removed']}/{m['heads_total']} heads removed, encoder "
+    log.info(f"[prune] {m['criterion']}: {m['heads_removed']}/{m['heads_total']} heads removed, encoder "
           f"{m['encoder_gflops_original']:.2f} -> {m['encoder_gflops']:.2f} GFLOPs ({m['flops_reduction']:.1%} less), "
-          f"{acc}", flush=True)
+          f"{acc}")
 
 
 def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, removed: dict, head_counts) -> None:

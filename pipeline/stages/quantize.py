@@ -35,7 +35,7 @@ from tqdm import tqdm
 from calibration import sensitivity
 from calibration.calibrators import METHODS, CalibSetReader, load_calib_set
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import RenderError, render_formula
+from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.quantization import anchors, qdq
 from pipeline.quantization import decoder as qdec
@@ -125,11 +125,11 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     config = {**asdict(cfg), "model_ref": model_ref, "max_length": int(mcfg.max_length),
               "batch_size": int(mcfg.batch_size)}
-    print(f"[quantize] model: {model_ref}" + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""),
-          flush=True)
+    log.info(f"[quantize] model: {model_ref}"
+             + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""))
     with ctx.output(cfg.name, config, inputs) as out:
         if out.reused:
-            print(f"[quantize] unchanged, reused {out.path}")
+            log.info(f"[quantize] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
         metrics = _quantize(cfg, ctx, model_ref, calib_set, out.path)
@@ -310,8 +310,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     _write_report(folder, metrics, plan)
     shutil.rmtree(scratch)
     if not plan.met_budget:
-        print(f"[quantize] warning: no plan met the budget of {cfg.budget:.3f} exact-match loss; "
-              f"the best found is written to plan.json, marked as such", flush=True)
+        log.warning(f"[quantize] no plan met the budget of {cfg.budget:.3f} exact-match loss; "
+              f"the best found is written to plan.json, marked as such")
     return metrics
 
 
@@ -425,18 +425,11 @@ def _num(x: float) -> float:
 
 
 def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter, split: str = "eval") -> tuple[np.ndarray, list[str]]:
-    images, truths = [], []
-    for f in ctx.split(split):
-        if len(images) >= cfg.eval_limit:
-            break
-        try:
-            images.append(adapter.preprocess(render_formula(f.latex)).numpy())
-        except RenderError:
-            continue
-        truths.append(f.latex)
-    if not images:
+    items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], adapter.preprocess, cfg.eval_limit,
+                          ctx.progress, f"quantize {split}")
+    if not items:
         raise PipelineError(f"quantize: no {split}-split formula could be rendered")
-    return np.stack(images).astype(np.float32), truths
+    return np.stack([x.numpy() for _, _, x in items]).astype(np.float32), [latex for _, latex, _ in items]
 
 
 def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
@@ -625,7 +618,6 @@ def _print_summary(m: dict) -> None:
                  f"{base['total_ms'] / ours['total_ms']:.2f}x faster (ort_cpu, 1 thread)"
                  + "".join(f"; {sp} n={v['n']}: {base['splits'][sp]['exact_match']:.3f} -> {v['exact_match']:.3f}"
                            for sp, v in list(ours.get("splits", {}).items())[1:]))
-    print(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
+    log.info(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
           f"({m['int8_mac_share']:.0%} of MatMul MACs), ort_cpu decoder {m.get('decoder_precision', 'float')}, "
-          f"budget {'met' if m['met_budget'] else 'NOT met'}{speed}",
-          flush=True)
+          f"budget {'met' if m['met_budget'] else 'NOT met'}{speed}")
