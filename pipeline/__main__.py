@@ -125,6 +125,8 @@ def _prevalidate(overrides: list[str]) -> None:
     except PipelineError as exc:  # a dataclass's __post_init__ (ModelConfig ...): already one line
         fail(f"config: {exc}")
     except Exception as exc:  # hydra/omegaconf raise many types; all are config errors here
+        if interrupts.received():  # a signal that landed inside Hydra's own code, not a config error
+            fail("interrupted; previous artifacts left as they were", interrupted=True)
         if isinstance(exc.__cause__, PipelineError):
             fail(f"config: {exc.__cause__}")
         fail(f"config: {_first_line(exc)}")
@@ -159,7 +161,14 @@ def _main() -> None:
     if not multirun and not flags:
         _prevalidate(args)
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
-    hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+    try:
+        hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+    except SystemExit as exc:
+        # Hydra turns an exception in its own start-up (composing the config) into exit code 1; when
+        # a signal caused it, the run ends like any interrupted run
+        if exc.code not in (0, None, 2) and interrupts.received():
+            fail("interrupted; previous artifacts left as they were", interrupted=True)
+        raise
 
 
 if __name__ == "__main__":
