@@ -63,7 +63,9 @@ class QuantizeConfig:
                                                         "percentile", "entropy"])
     method: str = "auto"              # auto = the best of the comparison | one of calibration.calibrators.METHODS
     calib_images: int = 32            # calibration-set rows the ranges come from
-    search_images: int = 96           # the next rows (with their formulas): accuracy during the search
+    # the next rows (with their formulas): accuracy during the search; at 96 one formula was 1 point,
+    # twice the budget, and the binary search followed single-formula noise (docs/quantize.md)
+    search_images: int = 256
     sensitivity_images: int = 8       # rows whose encoder output scores each group
     metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
