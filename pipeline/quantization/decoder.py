@@ -81,7 +81,7 @@ def quantize(model_path: Path, out: Path, nodes: Sequence[str]) -> None:
     """``model_path`` (MatMul form) with ``nodes`` as 8-bit ``MatMulNBits``, written to ``out``."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    from pipeline.quantization.qdq import _quiet
+    from pipeline.quantization.qdq import quiet
 
     model = onnx.load(str(model_path))
     if not nodes:
@@ -91,7 +91,7 @@ def quantize(model_path: Path, out: Path, nodes: Sequence[str]) -> None:
                                           bits=BITS)
     # ORT reads nodes_to_include as "these too" (besides every MatMul): name the rest to exclude
     exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in set(nodes)]
-    with _quiet():
+    with quiet():
         q = MatMulNBitsQuantizer(model, bits=BITS, block_size=BLOCK, is_symmetric=True,
                                  accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=exclude, algo_config=config)
         q.process()

@@ -35,7 +35,7 @@ def calibrate(float_model: Path, reader, method_name: str, cache: Path,
     from onnxruntime.quantization.calibrate import save_tensors_data
 
     started = time.perf_counter()
-    with _quiet():
+    with quiet():
         ranges = compute_ranges(float_model, reader, method_name, op_types=OP_TYPES, extra_options=extra_options)
     save_tensors_data(ranges, cache)
     return time.perf_counter() - started
@@ -49,7 +49,7 @@ def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_n
     if not int8_nodes:  # ORT reads an empty node list as "every node"
         onnx.save(onnx.load(str(float_model)), str(out))
         return False
-    with _quiet():
+    with quiet():
         quantize_static(
             str(float_model), str(out), None, quant_format=QuantFormat.QDQ,
             op_types_to_quantize=list(OP_TYPES), nodes_to_quantize=list(int8_nodes),
@@ -72,7 +72,7 @@ def dynamic(float_model: Path, out: Path, per_channel: bool = False) -> None:
     are what INT8 saves."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with _quiet():
+    with quiet():
         quantize_dynamic(str(float_model), str(out), weight_type=QuantType.QInt8, op_types_to_quantize=list(OP_TYPES),
                          per_channel=per_channel)
 
@@ -81,7 +81,7 @@ def static_defaults(float_model: Path, out: Path, reader) -> None:
     """The ``quantize_static`` anchor with ORT's defaults (QDQ, U8 activations, MinMax, per tensor)."""
     from onnxruntime.quantization import quantize_static
 
-    with _quiet():
+    with quiet():
         quantize_static(str(float_model), str(out), reader)
 
 
@@ -91,15 +91,15 @@ class _ErrorsOnly(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """ORT's quantizer logs advice at WARNING straight on the root logger (``logging.warning``) and
     its calibrators print progress to stdout, once per call; a stage makes dozens of calls, so keep
     only errors. A filter on the root *logger* sees only records logged on it directly, so every
     module logger of the process (ours included) keeps its level and its records; ORT's own named
     loggers (``onnxruntime.quantization.*``, INFO per node) are raised to ERROR for the call."""
     root = logging.getLogger()
-    quiet = _ErrorsOnly()
-    root.addFilter(quiet)
+    only_errors = _ErrorsOnly()
+    root.addFilter(only_errors)
     named = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith("onnxruntime")]
     levels = [lg.level for lg in named]
     for lg in named:
@@ -109,6 +109,6 @@ def _quiet():
             warnings.simplefilter("ignore")
             yield
     finally:
-        root.removeFilter(quiet)
+        root.removeFilter(only_errors)
         for lg, level in zip(named, levels):
             lg.setLevel(level)
