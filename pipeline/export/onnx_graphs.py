@@ -15,7 +15,6 @@ from onnx import helper
 from pipeline.errors import PipelineError
 from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, EncoderGraph, io_names
 
-GRAPHS = ("encoder", "decoder_first", "decoder_step")
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
 
