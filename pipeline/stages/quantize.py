@@ -339,9 +339,8 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.same_plan(step_nodes, first_nodes, int8_step))
         return out
 
-    def reading(int8_step: list[str], tag: str) -> Reading:
-        return read(graphs.open_package(threads, made(int8_step, tag)), folder / QDQ_ENCODER_ORT, images, truths,
-                    max_length, batch)
+    def reading(decoders: dict[str, Path]) -> Reading:
+        return read(graphs.open_package(threads, decoders), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
 
     base = read(graphs.open_package(threads), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
     trace: list[dict] = []
@@ -369,7 +368,7 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
 
         def loss_with_float(k: int) -> float:
             int8_now = order[k:]
-            r = reading(int8_now, "search")
+            r = reading(made(int8_now, "search"))
             loss = base.exact_match - r.exact_match
             trace.append({"float_nodes": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
                           "cer": r.cer, "loss": loss, "identical": r.identical_to(base)})
@@ -378,7 +377,7 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
         int8 = order[k:] if k is not None else []
     final = made(int8, "final")
-    r = reading(int8, "final")
+    r = reading(final)
     plan.decoder = "int8" if int8 else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
     if int8:
