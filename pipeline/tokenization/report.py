@@ -12,6 +12,21 @@ PLOT = "tokenizer_comparison.png"
 CURVE_PLOT = "tokens_vs_vocab_size.png"
 
 
+def _token_rows(t: list[dict]) -> list[list[str]]:
+    """Token counts, commands split and round trip, one column per tokenizer (``t[0]``: char-level);
+    the rows both splits' tables share."""
+    def row(label, fn):
+        return [label, *(fn(x) for x in t)]
+    return [
+        row("tokens / formula, mean", lambda x: f"{x['tokens_mean']:.2f}"),
+        row("tokens / formula, p95", lambda x: f"{x['tokens_p95']:.1f}"),
+        row("fewer tokens than char-level", lambda x: f"{t[0]['tokens_mean'] / x['tokens_mean']:.2f}x"),
+        row("LaTeX commands split across tokens",
+            lambda x: f"{x['commands_split_share']:.1%} ({x['commands_split']}/{x['commands']})"),
+        row("round trip decode(encode(x)) == normalized x", lambda x: f"{x['round_trip_exact']:.1%}"),
+    ]
+
+
 def comparison_rows(m: dict, names: Sequence[str]) -> list[list[str]]:
     """The comparison table: one column per tokenizer, one row per measure."""
     t = [m["tokenizers"][n] for n in names]
@@ -22,12 +37,7 @@ def comparison_rows(m: dict, names: Sequence[str]) -> list[list[str]]:
         return [label, *(fn(x) for x in t)]
     return [
         row("vocabulary size", lambda x: x["vocab_size"]),
-        row("tokens / formula, mean", lambda x: f"{x['tokens_mean']:.2f}"),
-        row("tokens / formula, p95", lambda x: f"{x['tokens_p95']:.1f}"),
-        row("fewer tokens than char-level", lambda x: f"{t[0]['tokens_mean'] / x['tokens_mean']:.2f}x"),
-        row("LaTeX commands split across tokens",
-            lambda x: f"{x['commands_split_share']:.1%} ({x['commands_split']}/{x['commands']})"),
-        row("round trip decode(encode(x)) == normalized x", lambda x: f"{x['round_trip_exact']:.1%}"),
+        *_token_rows(t),
         row("encode ms / formula, single", lambda x: f"{x['single_ms']:.4f}"),
         row("encode ms / formula, batched", lambda x: f"{x['batched_ms']:.4f}"),
         row("decode steps / formula (tokens + eos)", lambda x: f"{x['decode_steps_mean']:.2f}"),
@@ -134,23 +144,13 @@ def _shift_lines(m: dict, names: Sequence[str]) -> list[str]:
     if not sh:
         return []
     t = [sh["tokenizers"][n] for n in names]
-
-    def row(label, fn):
-        return [label, *(fn(x) for x in t)]
     return [
         "## On formulas training never saw (shift split)",
         "",
         f"{sh['formulas']} formulas ({sh['source']}): packages the corpus never read, none of their formulas "
         "in the corpus. Never used to train or to choose a default.",
         "",
-        markdown_table(["measure", *names], [
-            row("tokens / formula, mean", lambda x: f"{x['tokens_mean']:.2f}"),
-            row("tokens / formula, p95", lambda x: f"{x['tokens_p95']:.1f}"),
-            row("fewer tokens than char-level", lambda x: f"{t[0]['tokens_mean'] / x['tokens_mean']:.2f}x"),
-            row("LaTeX commands split across tokens",
-                lambda x: f"{x['commands_split_share']:.1%} ({x['commands_split']}/{x['commands']})"),
-            row("round trip decode(encode(x)) == normalized x", lambda x: f"{x['round_trip_exact']:.1%}"),
-        ]),
+        markdown_table(["measure", *names], _token_rows(t)),
         "",
     ]
 
