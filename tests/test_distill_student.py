@@ -72,3 +72,34 @@ def test_specials_must_keep_their_ids():
     missing = Tokenizer(models.BPE(vocab={"<pad>": 0, "<bos>": 1, "<eos>": 2, "a": 3}, merges=[]))
     with pytest.raises(ValueError, match="unk"):
         piece_map(missing, model_char_vocabulary())
+
+
+def test_bpe_tokenizer_round_trips_like_the_char_one(bpe):
+    from pipeline.distillation.student import BpeTokenizer
+    tok = BpeTokenizer(bpe)
+    char = model_char_vocabulary()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (char.pad_id, char.bos_id, char.eos_id, char.unk_id)
+    for f in FORMULAS:
+        ids = tok.encode(normalize_formula(f))
+        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) < len(char.encode(f))
+        assert tok.decode(ids[1:]) == normalize_formula(f)
+        assert tok.decode(ids[1:] + [5, 6]) == normalize_formula(f)  # stops at EOS
+    capped = tok.encode(normalize_formula(FORMULAS[2]), max_length=3)
+    assert len(capped) == 3 and capped[-1] == tok.eos_id
+
+
+def test_the_untrained_student_reads_like_the_char_model(bpe):
+    """Single-char entries come before the merges, so a tie between a char and the longer entries it
+    starts goes to the char (argmax takes the first): untrained, the student writes the char model's
+    text one char at a time — training starts from the char model's readings, not from noise."""
+    from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
+    from pipeline.distillation.student import BpeTokenizer
+    teacher = build_tiny()
+    student, config = init_student(teacher.model, teacher.model_config, piece_map(bpe, model_char_vocabulary()))
+    reader = LatexOcrJuniaAdapter(student, config, BpeTokenizer(bpe), teacher.tokenizer_path)
+    torch.manual_seed(1)
+    images = torch.rand(4, *teacher.input_shape)
+    want = teacher.generate(images, 24, use_cache=True)
+    got = reader.generate(images, 24, use_cache=True)
+    assert got.texts == want.texts and got.steps == want.steps
+    assert any(want.texts)

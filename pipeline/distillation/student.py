@@ -87,3 +87,40 @@ def init_student(model: nn.Module, model_config: Any, pieces: Sequence[Sequence[
     if hasattr(student, "config_obj"):
         student.config_obj = config
     return student.eval(), config
+
+
+class BpeTokenizer:
+    """The HF ``tokenizers`` BPE behind the char vocabulary's interface (``bos_id`` ... ``encode(text,
+    max_length)``, ``decode(ids)`` stopping at EOS), so the model adapter decodes a student unchanged."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        strings = token_strings(tokenizer)
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (strings.index(s) for s in
+                                                              ("<pad>", "<bos>", "<eos>", "<unk>"))
+
+    @classmethod
+    def from_file(cls, path) -> "BpeTokenizer":
+        return cls(Tokenizer.from_file(str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, max_length: int | None = None) -> list[int]:
+        ids = [i for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
+        ids = [self.bos_id, *ids, self.eos_id]
+        if max_length is not None:
+            if max_length < 2:
+                raise ValueError("max_length must be at least 2")
+            ids = ids[:max_length]
+            ids[-1] = self.eos_id
+        return ids
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            if int(i) == self.eos_id:
+                break
+            out.append(int(i))
+        return self.tokenizer.decode(out, skip_special_tokens=True)
