@@ -108,6 +108,7 @@ def main() -> None:
     start = time.perf_counter()
     next_eval, step, losses = args.eval_every, 0, []
     order: list[int] = []
+    minutes, read_at = 0.0, 0
     while (time.perf_counter() - start) / 60 < args.minutes:
         if len(order) < args.batch:
             order += rng.sample(range(len(targets)), len(targets))
@@ -131,7 +132,9 @@ def main() -> None:
         if minutes >= next_eval:
             evaluate(step, minutes, sum(losses[-50:]) / len(losses[-50:]))
             next_eval += args.eval_every
-    evaluate(step, (time.perf_counter() - start) / 60, sum(losses[-50:]) / max(1, len(losses[-50:])))
+            read_at = step
+    if step != read_at:  # the last step was not just read
+        evaluate(step, minutes, sum(losses[-50:]) / max(1, len(losses[-50:])))
 
 
 if __name__ == "__main__":
