@@ -49,7 +49,7 @@ def encode_all(adapter, images: list, batch: int = 16) -> torch.Tensor:
 
 def read(adapter, memory: torch.Tensor, truths: list[str]) -> dict:
     result = adapter.generate(memory, CAP, batch_size=16, use_cache=True)
-    preds = [metrics.normalize(metrics.strip_display(t)) for t in result.texts]
+    preds = result.texts  # the metrics normalize both sides (the display wrapper goes there)
     em = sum(metrics.exact_match(p, t) for p, t in zip(preds, truths)) / len(truths)
     return {"em": em, "cer": metrics.corpus_cer(preds, truths), "steps": sum(result.steps) / len(truths),
             "capped": sum(result.hit_cap) / len(truths), "decoder_s": result.decoder_seconds}
@@ -87,7 +87,7 @@ def main() -> None:
 
     bpe_path = args.artifacts / "tokenizer" / "tokenizer.json"
     bpe = BpeTokenizer.from_file(bpe_path)
-    truths = [metrics.normalize(t) for _, t, _ in eval_items]
+    truths = [t for _, t, _ in eval_items]
     char_row = read(_OnMemory(teacher.model, teacher.model_config, teacher.tokenizer, teacher.tokenizer_path),
                     mem_eval, truths)
     print(f"char model: EM {char_row['em']:.3f} CER {char_row['cer']:.3f} steps {char_row['steps']:.1f} "

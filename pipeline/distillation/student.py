@@ -24,6 +24,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from pipeline.tokenization.train import SPECIALS  # <pad> <bos> <eos> <unk>, the order of the ids below
+
 SPECIAL_NAMES = ("pad", "bos", "eos", "unk")
 
 
@@ -96,8 +98,7 @@ class BpeTokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         strings = token_strings(tokenizer)
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (strings.index(s) for s in
-                                                              ("<pad>", "<bos>", "<eos>", "<unk>"))
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (strings.index(s) for s in SPECIALS)
 
     @classmethod
     def from_file(cls, path) -> "BpeTokenizer":
@@ -108,8 +109,7 @@ class BpeTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = [i for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
-        ids = [self.bos_id, *ids, self.eos_id]
+        ids = [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids, self.eos_id]
         if max_length is not None:
             if max_length < 2:
                 raise ValueError("max_length must be at least 2")
