@@ -26,7 +26,8 @@ from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter  # noqa: E402
 from pipeline.data.corpus import read_jsonl  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.data.templates import templated_formulas  # noqa: E402
-from pipeline.distillation.student import BpeTokenizer, init_student, piece_map  # noqa: E402
+from pipeline.distillation.student import init_student, piece_map  # noqa: E402
+from pipeline.tokenization.bpe import BpeTokenizer  # noqa: E402
 from pipeline.tokenization.atoms import normalize_formula  # noqa: E402
 
 CAP = 160

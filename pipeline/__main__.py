@@ -55,6 +55,9 @@ def run_stages(cfg: DictConfig) -> dict:
                 continue
             raise PipelineError(f"stage {name!r} is not built yet")
         stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
+        if cfg.stage == "all" and not getattr(stage_cfg, "in_chain", True):
+            log.info(f"[{name}] off in stage=all ({spec.config_key}.in_chain=false): skipped")
+            continue
         log.info(f"[{name}] {spec.doc}")
         results[name] = spec.run(stage_cfg, ctx)
     return results

@@ -74,6 +74,12 @@ class StageContext:
         raise PipelineError(f"no model {ref!r}: not 'original', not a stage with a model under "
                             f"{self.artifacts_dir}, not a saved model folder")
 
+    def chain_upstream(self) -> tuple[str, ...]:
+        """The stages whose model the chain hands on, in order: prune, then distill's BPE decoder
+        when ``distill.in_chain`` (off until it meets its bar, docs/distill.md)."""
+        distill = self.cfg.get("distill")
+        return ("prune", "distill") if distill is not None and distill.get("in_chain") else ("prune",)
+
     def chain_model(self, ref: str, upstream: tuple[str, ...] = ("prune",)) -> str:
         """``auto``: the last stage of ``upstream`` whose model artifact exists (the chain hands its
         model over), else ``original``; any other reference is returned as it is."""

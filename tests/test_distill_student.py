@@ -5,7 +5,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from pipeline.distillation.student import init_student, piece_map, token_strings
+from pipeline.distillation.student import init_student, piece_map
+from pipeline.tokenization.bpe import token_strings
 from pipeline.tokenization.atoms import normalize_formula
 from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
 from tests.tiny_model import FORMULAS, build_tiny
@@ -75,7 +76,7 @@ def test_specials_must_keep_their_ids():
 
 
 def test_bpe_tokenizer_round_trips_like_the_char_one(bpe):
-    from pipeline.distillation.student import BpeTokenizer
+    from pipeline.tokenization.bpe import BpeTokenizer
     tok = BpeTokenizer(bpe)
     char = model_char_vocabulary()
     assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (char.pad_id, char.bos_id, char.eos_id, char.unk_id)
@@ -93,7 +94,7 @@ def test_the_untrained_student_reads_like_the_char_model(bpe):
     starts goes to the char (argmax takes the first): untrained, the student writes the char model's
     text one char at a time — training starts from the char model's readings, not from noise."""
     from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
-    from pipeline.distillation.student import BpeTokenizer
+    from pipeline.tokenization.bpe import BpeTokenizer
     teacher = build_tiny()
     student, config = init_student(teacher.model, teacher.model_config, piece_map(bpe, model_char_vocabulary()))
     reader = LatexOcrJuniaAdapter(student, config, BpeTokenizer(bpe), teacher.tokenizer_path)

@@ -107,6 +107,15 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def decode_text(self, ids: Iterable[int]) -> str: ...
 
+    def with_bpe(self, tokenizer_path: Path) -> "ModelAdapter":
+        """A copy whose decoder speaks the BPE in ``tokenizer_path`` (an HF ``tokenizers`` JSON), each
+        new token's rows built from the char pieces it is made of (stage distill's student)."""
+        raise PipelineError(f"model family {self.family!r} cannot take a new token vocabulary")
+
+    def decoder_parameters(self) -> list[nn.Parameter]:
+        """The parameters stage distill trains (everything after the encoder)."""
+        raise PipelineError(f"model family {self.family!r} does not say which parameters its decoder has")
+
     # ---- compute ------------------------------------------------------------------------------
     @abc.abstractmethod
     def encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -134,12 +143,14 @@ class ModelAdapter(abc.ABC):
 
     @torch.no_grad()
     def generate(self, images: torch.Tensor, max_length: int, batch_size: int = 16,
-                 progress: Callable[[int], None] | None = None, use_cache: bool = False) -> DecodeResult:
+                 progress: Callable[[int], None] | None = None, use_cache: bool = False,
+                 encoded: bool = False) -> DecodeResult:
         """Greedy decoding in batches; finished rows leave the batch so they cost nothing.
 
         ``max_length`` caps the sequence including BOS, as the package's own ``generate`` does.
         ``use_cache``: decode with the adapter's KV-cached decoder (same function, far fewer FLOPs);
-        the default re-runs the whole prefix at each step, as the shipped model does.
+        the default re-runs the whole prefix at each step, as the shipped model does. ``encoded``:
+        ``images`` are encoder outputs already (cached memory), decoded as they are.
         """
         self.model.eval()
         cached = self.cached_decoder() if use_cache else None
@@ -153,7 +164,7 @@ class ModelAdapter(abc.ABC):
         for start in range(0, images.shape[0], batch_size):
             batch = images[start:start + batch_size]
             t0 = time.perf_counter()
-            memory = self.encode(batch)
+            memory = batch.float() if encoded else self.encode(batch)
             t1 = time.perf_counter()
             n = batch.shape[0]
             seqs = torch.full((n, 1), self.bos_id, dtype=torch.long)

@@ -26,6 +26,7 @@ from pipeline.adapters.base import ModelAdapter, register_adapter
 from pipeline.data.render import INK_THRESHOLD, crop_to_ink
 from pipeline.errors import PipelineError, SchemaError
 from pipeline.schema import load_char_tokenizer, load_json
+from pipeline.tokenization.bpe import BpeTokenizer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -160,7 +161,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
                 raise PipelineError(f"not a saved model folder (no {CONFIG}): {folder}")
             meta = load_json(folder / CONFIG, schema.MODEL_CONFIG, f"model folder {folder}")
             tokenizer_path = folder / TOKENIZER
-            load_char_tokenizer(tokenizer_path)  # before building: a missing or garbage tokenizer is named
+            bpe = meta.get("tokenizer_kind") == "bpe"
+            # before building: a missing or garbage tokenizer is named
+            tokenizer = BpeTokenizer.from_file(tokenizer_path) if bpe else load_char_tokenizer(tokenizer_path)
             check_model_config(meta, folder / CONFIG)
             try:
                 from latex_ocr_junia.model import ModelConfig
@@ -172,6 +175,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
                 raise PipelineError(f"corrupt model config {folder / CONFIG}: {exc}") from None
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise PipelineError(f"corrupt model weights {folder / WEIGHTS}: {str(exc).splitlines()[0]}") from None
+            if bpe:
+                return cls(model, model_config, tokenizer, tokenizer_path)
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
 
@@ -190,6 +195,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             "encoder_heads": self.encoder_head_counts(),
             "head_dim": self.model_config.d_model // self.model_config.num_heads,
             "tokenizer": TOKENIZER,
+            "tokenizer_kind": "bpe" if isinstance(self.tokenizer, BpeTokenizer) else "char",
         }
         (folder / CONFIG).write_text(json.dumps(meta, indent=2))
         shutil.copyfile(self.tokenizer_path, folder / TOKENIZER)
@@ -248,6 +254,20 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         from pipeline.adapters.kv_cache import CachedDecoder
 
         return CachedDecoder(self.model).eval()
+
+    def with_bpe(self, tokenizer_path: Path) -> "LatexOcrJuniaAdapter":
+        from pipeline.distillation.student import init_student, piece_map
+
+        bpe = BpeTokenizer.from_file(tokenizer_path)
+        try:
+            pieces = piece_map(bpe.tokenizer, self.tokenizer)
+        except ValueError as exc:
+            raise PipelineError(f"{tokenizer_path}: {exc}") from None
+        student, config = init_student(self.model, self.model_config, pieces)
+        return type(self)(student, config, bpe, tokenizer_path)
+
+    def decoder_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for n, p in self.model.named_parameters() if not n.startswith(("patch_embed", "encoder"))]
 
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:

@@ -11,8 +11,7 @@ gets a new token embedding and output layer of the BPE's size. Each BPE token is
 
 A piece the char vocabulary lacks maps to the char ``<unk>``. The BPE's specials (``<pad> <bos> <eos>
 <unk>``, ids 0-3) are the char vocabulary's, so the decoding loop and the pad mask stay the same.
-Not wired into a stage yet: the training loop, the package carrying the tokenizer JSON and the
-comparison are issue 14's remaining parts.
+The training loop is :mod:`pipeline.distillation.train`, the stage ``pipeline/stages/distill.py``.
 """
 from __future__ import annotations
 
@@ -24,18 +23,9 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from pipeline.tokenization.train import SPECIALS  # <pad> <bos> <eos> <unk>, the order of the ids below
+from pipeline.tokenization.bpe import token_strings
 
 SPECIAL_NAMES = ("pad", "bos", "eos", "unk")
-
-
-def token_strings(tokenizer: Tokenizer) -> list[str]:
-    """The BPE's entries by id (added tokens included); ids must run 0 .. V-1 without gaps."""
-    vocab = tokenizer.get_vocab(with_added_tokens=True)
-    by_id = {i: s for s, i in vocab.items()}
-    if sorted(by_id) != list(range(len(by_id))):
-        raise ValueError("the BPE vocabulary's ids are not contiguous from 0")
-    return [by_id[i] for i in range(len(by_id))]
 
 
 def piece_map(tokenizer: Tokenizer, char_tokenizer: Any) -> list[list[int]]:
@@ -89,38 +79,3 @@ def init_student(model: nn.Module, model_config: Any, pieces: Sequence[Sequence[
     if hasattr(student, "config_obj"):
         student.config_obj = config
     return student.eval(), config
-
-
-class BpeTokenizer:
-    """The HF ``tokenizers`` BPE behind the char vocabulary's interface (``bos_id`` ... ``encode(text,
-    max_length)``, ``decode(ids)`` stopping at EOS), so the model adapter decodes a student unchanged."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        strings = token_strings(tokenizer)
-        self.pad_id, self.bos_id, self.eos_id, self.unk_id = (strings.index(s) for s in SPECIALS)
-
-    @classmethod
-    def from_file(cls, path) -> "BpeTokenizer":
-        return cls(Tokenizer.from_file(str(path)))
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids, self.eos_id]
-        if max_length is not None:
-            if max_length < 2:
-                raise ValueError("max_length must be at least 2")
-            ids = ids[:max_length]
-            ids[-1] = self.eos_id
-        return ids
-
-    def decode(self, ids) -> str:
-        out = []
-        for i in ids:
-            if int(i) == self.eos_id:
-                break
-            out.append(int(i))
-        return self.tokenizer.decode(out, skip_special_tokens=True)

@@ -57,6 +57,14 @@ class CharTokenizer:
         return "".join(out)
 
 
+def package_tokenizer(path: Path):
+    """The package's ``tokenizer.json``: the model's char vocabulary, or the formula BPE (HF
+    ``tokenizers`` JSON) of a decoder from stage distill; both decode ids up to EOS."""
+    from pipeline.tokenization.bpe import BpeTokenizer, is_bpe_file
+
+    return BpeTokenizer.from_file(path) if is_bpe_file(path) else CharTokenizer(path)
+
+
 class OnnxPackage:
     """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON."""
 
@@ -68,7 +76,7 @@ class OnnxPackage:
             raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
         self.meta = load_json(self.folder / PACKAGE_META, schema.PACKAGE, f"package {self.folder}")
         self.preprocess_spec = load_json(self.folder / PREPROCESS, schema.PREPROCESS, f"package {self.folder}")
-        self.tokenizer = CharTokenizer(self.folder / TOKENIZER)
+        self.tokenizer = package_tokenizer(self.folder / TOKENIZER)
         wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
         available = ort.get_available_providers()
         # the reference runtime: a package for another accelerator is checked on ORT CPU here

@@ -93,14 +93,14 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
     """(model reference, QDQ encoder or None, INT8 decoders, what was handed over):
     prune -> quantize -> export."""
     if cfg.qdq_encoder:
-        return ctx.chain_model(cfg.model, ("prune",)), Path(cfg.qdq_encoder), {}, ""
+        return ctx.chain_model(cfg.model, ctx.chain_upstream()), Path(cfg.qdq_encoder), {}, ""
     if cfg.quantized == "none":
-        return ctx.chain_model(cfg.model, ("prune",)), None, {}, ""
+        return ctx.chain_model(cfg.model, ctx.chain_upstream()), None, {}, ""
     folder = ctx.artifacts_dir / "quantize" if cfg.quantized == "auto" else Path(cfg.quantized)
     if not (folder / "manifest.json").is_file():
         if cfg.quantized != "auto":
             raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
-        model = ctx.chain_model(cfg.model, ("prune",))
+        model = ctx.chain_model(cfg.model, ctx.chain_upstream())
         return model, None, {}, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
     manifest = json.loads((folder / "manifest.json").read_text())
     quantized_model = manifest["config"]["model_ref"]

@@ -109,7 +109,7 @@ def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
 
 def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     _validate(cfg)
-    model_ref = ctx.chain_model(cfg.model, upstream=("prune",))
+    model_ref = ctx.chain_model(cfg.model, ctx.chain_upstream())
     calib_folder = _calib_folder(cfg, ctx)
     calib_set = load_calib_set(calib_folder)
     if "text" not in calib_set.column_names:

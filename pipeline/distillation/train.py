@@ -1,0 +1,141 @@
+"""Training the BPE student's decoder on cached encoder outputs: bounded, resumable, deterministic.
+
+The batch order depends only on the step and the seed (one permutation of the images per epoch),
+the learning rate only on the step (linear warm-up, cosine decay to a tenth), so a run is a function
+of its step count: a checkpoint holds the model, the optimizer, the step, torch's RNG (dropout) and
+the curve so far; a killed run started again with the same file continues to the weights an
+uninterrupted run reaches. Checkpoints are written to a temporary file and renamed, and read back
+with ``weights_only=True`` (tensors, numbers, strings, lists and dicts only).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+
+@dataclass
+class Schedule:
+    steps: int            # optimizer steps of the whole run
+    minutes: float        # wall-clock cap on the training steps (evaluation not counted)
+    batch: int
+    lr: float
+    weight_decay: float = 0.01
+    warmup: int = 50      # steps of linear warm-up
+    seed: int = 0
+    checkpoint_every: int = 100
+    eval_every: int = 250  # steps between learning-curve points (0 = only at the start and the end)
+
+
+def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
+    """The images of ``step``'s batch: positions step*batch ... of a stream of per-epoch permutations."""
+    out = []
+    for pos in range(step * batch, (step + 1) * batch):
+        epoch, i = divmod(pos, n)
+        out.append(int(np.random.default_rng([seed, epoch]).permutation(n)[i]))
+    return out
+
+
+def learning_rate(s: Schedule, step: int) -> float:
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    t = (step - s.warmup) / max(1, s.steps - s.warmup)
+    return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def pad_batch(targets: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    width = max(len(t) for t in targets)
+    seq = torch.full((len(targets), width), pad_id, dtype=torch.long)
+    for r, t in enumerate(targets):
+        seq[r, :len(t)] = torch.as_tensor(list(t), dtype=torch.long)
+    return seq
+
+
+def _save(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]], s: Schedule,
+                  evaluate: Optional[Callable[[], dict]] = None, state_file: Optional[Path] = None,
+                  progress: bool = False) -> dict:
+    """AdamW on ``student.decoder_parameters()`` with cross-entropy on ``targets`` (BOS ... EOS ids)
+    given ``memory`` [N, L, D] (the frozen encoder's outputs, any float dtype).
+
+    ``evaluate()`` is called at step 0, every ``eval_every`` steps and at the end; its dict goes into
+    the curve with the step, the training minutes and the mean loss since the previous point.
+    Returns ``{"steps", "stopped_by", "minutes", "resumed_at", "curve", "losses"}``."""
+    model = student.model
+    params = student.decoder_parameters()
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    step, seconds, resumed, curve, losses = 0, 0.0, 0, [], []
+    if state_file is not None and Path(state_file).is_file():
+        saved = torch.load(state_file, map_location="cpu", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng"])
+        step = resumed = int(saved["step"])
+        seconds, curve, losses = float(saved["seconds"]), list(saved["curve"]), list(saved["losses"])
+
+    def point() -> None:
+        if evaluate is None:
+            return
+        since = losses[curve[-1]["step"]:] if curve else []
+        curve.append({"step": step, "minutes": seconds / 60,
+                      "loss": float(np.mean(since)) if since else None, **evaluate()})
+
+    def checkpoint() -> None:
+        if state_file is not None:
+            _save(Path(state_file), {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                                     "rng": torch.get_rng_state(), "seconds": seconds, "curve": curve,
+                                     "losses": losses})
+
+    if not curve:
+        point()
+    stopped_by = "steps"
+    bar = tqdm(total=s.steps, initial=step, desc="distill", disable=not progress)
+    try:
+        while step < s.steps:
+            if seconds >= 60 * s.minutes:
+                stopped_by = "minutes"
+                break
+            t0 = time.perf_counter()
+            idx = batch_indices(len(targets), s.batch, step, s.seed)
+            seq = pad_batch([targets[i] for i in idx], student.pad_id)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(s, step)
+            model.train()
+            logits = student.decode_logits(seq[:, :-1], memory[idx].float())
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), seq[:, 1:].reshape(-1),
+                                   ignore_index=student.pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            model.eval()
+            step += 1
+            seconds += time.perf_counter() - t0
+            losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if s.eval_every and step % s.eval_every == 0 and step < s.steps:
+                point()
+            if s.checkpoint_every and step % s.checkpoint_every == 0:
+                checkpoint()
+    finally:
+        bar.close()
+        model.eval()
+    if not curve or curve[-1]["step"] != step:
+        point()
+    return {"steps": step, "stopped_by": stopped_by, "minutes": seconds / 60, "resumed_at": resumed,
+            "curve": curve, "losses": losses}

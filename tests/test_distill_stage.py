@@ -1,0 +1,146 @@
+"""Stage distill on the tiny model (issue 14): a resumed training run equals an uninterrupted one, the
+stage writes a BPE student that loads, exports and decodes, and the package round-trips BPE ids."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipeline.tokenization.atoms import normalize_formula
+from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+
+
+@pytest.fixture(scope="module")
+def bpe_file(tmp_path_factory):
+    char = model_char_vocabulary()
+    extra = [t for t in char.token_to_id if t not in SPECIALS]
+    tok = train_formula_bpe([normalize_formula(f) for f in FORMULAS * 3], 400, extra_atoms=extra).tokenizer
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _student(bpe_file):
+    student = build_tiny().with_bpe(bpe_file)
+    for m in student.model.modules():  # the tiny model has no dropout: give it some, so the RNG matters
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.2
+    return student
+
+
+def test_batch_order_and_learning_rate_depend_on_the_step_only():
+    from pipeline.distillation.train import Schedule, batch_indices, learning_rate
+
+    first_epoch = [i for s in range(5) for i in batch_indices(10, 2, s, seed=3)]
+    assert sorted(first_epoch) == list(range(10))  # one epoch sees every image once
+    assert batch_indices(10, 2, 7, seed=3) == batch_indices(10, 2, 7, seed=3) != batch_indices(10, 2, 7, seed=4)
+    s = Schedule(steps=100, minutes=1, batch=2, lr=1e-3, warmup=10)
+    assert learning_rate(s, 0) == pytest.approx(1e-4) and learning_rate(s, 9) == pytest.approx(1e-3)
+    assert learning_rate(s, 99) == pytest.approx(1e-4, rel=0.01)
+    assert 1e-4 < learning_rate(s, 50) < 1e-3
+
+
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, tmp_path):
+    from pipeline.distillation.train import Schedule, train_decoder
+
+    torch.manual_seed(0)
+    memory = torch.randn(6, 32, 32).half()
+    ref = _student(bpe_file)
+    targets = [ref.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:6]]
+    s = Schedule(steps=8, minutes=10, batch=3, lr=1e-3, warmup=2, seed=1, checkpoint_every=2, eval_every=3)
+    calls = []
+
+    def evaluate():
+        calls.append(1)
+        return {"exact_match": 0.0, "cer": 1.0, "steps_per_formula": 1.0}
+
+    torch.manual_seed(5)
+    whole = train_decoder(ref, memory, targets, s, evaluate, tmp_path / "a" / "state.pt")
+    assert whole["steps"] == 8 and whole["stopped_by"] == "steps"
+    assert [p["step"] for p in whole["curve"]] == [0, 3, 6, 8]
+
+    def killed():  # the run dies at its second curve point (step 3; the last checkpoint is step 2)
+        if len(calls) == 1:  # step 0 was read
+            raise KeyboardInterrupt
+        return evaluate()
+
+    calls.clear()
+    student = _student(bpe_file)
+    torch.manual_seed(5)
+    with pytest.raises(KeyboardInterrupt):
+        train_decoder(student, memory, targets, s, killed, tmp_path / "b" / "state.pt")
+    assert torch.load(tmp_path / "b" / "state.pt", weights_only=True)["step"] == 2
+    fresh = _student(bpe_file)  # a new process: fresh weights, then the checkpoint
+    torch.manual_seed(123)  # whatever the RNG holds now, the checkpoint's state is restored
+    resumed = train_decoder(fresh, memory, targets, s, evaluate, tmp_path / "b" / "state.pt")
+    assert resumed["resumed_at"] == 2 and resumed["steps"] == 8
+    assert [p["step"] for p in resumed["curve"]] == [0, 3, 6, 8]
+    for k, v in ref.model.state_dict().items():
+        assert torch.equal(v, fresh.model.state_dict()[k]), k
+    assert resumed["losses"] == whole["losses"]
+
+
+SMALL = ["model.max_length=24", "model.batch_size=4", "distill.steps=4", "distill.batch=4", "distill.templated=4",
+         "distill.eval_images=4", "distill.eval_every=2", "distill.checkpoint_every=2", "distill.warmup=1"]
+
+
+def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path):
+    from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import distill, export
+    from pipeline.tokenization.bpe import BpeTokenizer
+
+    build_tiny().save(tmp_path / "tiny")
+    ctx = fake_ctx(tmp_path, [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}", *SMALL])
+    manifest = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)
+    folder = tmp_path / "distill"
+    m = manifest["metrics"]
+    assert m["steps"] == 4 and m["stopped_by"] == "steps" and [p["step"] for p in m["curve"]] == [0, 2, 4]
+    assert m["train_images"] == 16 + 4 and m["train_from_split"] == 16  # tiny train split + templated
+    assert (folder / "learning_curve.png").stat().st_size > 0 and "Learning curve" in (folder / "report.md").read_text()
+    assert not list((tmp_path / ".resume").glob("distill-*"))  # checkpoints go once the artifact is complete
+    assert (folder / "model" / "tokenizer.json").read_bytes() == bpe_file.read_bytes()
+
+    student = LatexOcrJuniaAdapter.load(str(folder / "model"))
+    assert isinstance(student.tokenizer, BpeTokenizer) and student.vocab_size == m["vocab_size"] != 166
+    assert student.model.lm_head.out_features == student.vocab_size
+
+    again = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)  # unchanged: reused
+    assert again["key"] == manifest["key"]
+
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    ctx = fake_ctx(tmp_path, [f"export.model={folder / 'model'}", "export.quantized=none", "export.targets=[ort_cpu]",
+                              f"export.formulas={tmp_path / 'formulas.txt'}", "export.parity_limit=3",
+                              "export.parity_images=1", "model.max_length=24"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    pkg = OnnxPackage(tmp_path / "export-ort_cpu", threads=1)
+    assert isinstance(pkg.tokenizer, BpeTokenizer)
+    # the package round-trips BPE ids to LaTeX: what the tokenizer writes, the package reads back
+    for f in FORMULAS:
+        ids = student.tokenizer.encode(normalize_formula(f))
+        assert ids[0] == pkg.bos and ids[-1] == pkg.eos
+        assert pkg.tokenizer.decode(ids[1:]) == normalize_formula(f)
+    images = np.stack([student.preprocess(render_formula(f)).numpy() for f in FORMULAS[:3]])
+    got = pkg.generate(images, 24, batch_size=3)
+    want = student.generate(torch.from_numpy(images), 24, batch_size=3, use_cache=True)
+    assert got.token_ids == want.token_ids and got.texts == want.texts
+    assert max(max(ids, default=0) for ids in got.token_ids) < student.vocab_size
+
+
+def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokenizer_is_named(tmp_path):
+    from pipeline.errors import PipelineError
+    from pipeline.stages import distill
+
+    ctx = fake_ctx(tmp_path, [*SMALL])
+    assert ctx.chain_upstream() == ("prune",)
+    assert fake_ctx(tmp_path, ["distill.in_chain=true"]).chain_upstream() == ("prune", "distill")
+    with pytest.raises(PipelineError, match="distill.tokenizer=tokenizer: no tokenizer.json"):
+        distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)
+    assert not (tmp_path / "distill").exists()
+    with pytest.raises(PipelineError, match="distill.steps must be >= 1"):
+        distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.steps=0"]).cfg.distill), ctx)
