@@ -78,6 +78,9 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     assert by["deployable"]["accuracy_n"] == m["n_formulas"] == 10
     assert by["deployable"]["compared_n"] == 6          # compared with the reference where both read
     assert by["deployable"]["location"] == str(root / "export-ort_cpu")
+    for v in m["variants"]:  # where the decoding time went: steps and milliseconds per formula
+        assert 1 <= v["steps_per_formula"] <= m["max_length"] - 1
+        assert v["decoder_ms_per_formula"] > 0 and v["encoder_ms_per_formula"] > 0
     for v in m["variants"]:
         assert v["latency"]["n"] == 2 and v["latency"]["p50_ms"] <= v["latency"]["p95_ms"] <= v["latency"]["max_ms"]
         assert v["images_per_s"] > 0 and v["size_mb"] > 0 and v["peak_mb"] >= v["base_mb"] > 0

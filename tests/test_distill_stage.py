@@ -119,7 +119,7 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
                               "export.parity_images=1", "model.max_length=24"])
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     pkg = OnnxPackage(tmp_path / "export-ort_cpu", threads=1)
-    assert isinstance(pkg.tokenizer, BpeTokenizer)
+    assert isinstance(pkg.tokenizer, BpeTokenizer) and pkg.meta["tokenizer"]["kind"] == "bpe"
     # the package round-trips BPE ids to LaTeX: what the tokenizer writes, the package reads back
     for f in FORMULAS:
         ids = student.tokenizer.encode(normalize_formula(f))
@@ -130,6 +130,20 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     want = student.generate(torch.from_numpy(images), 24, batch_size=3, use_cache=True)
     assert got.token_ids == want.token_ids and got.texts == want.texts
     assert max(max(ids, default=0) for ids in got.token_ids) < student.vocab_size
+
+    # stage infer reads with the package alone, stage evaluate with the student model: both decode BPE
+    from pipeline.stages import evaluate, infer
+
+    render_formula(FORMULAS[0]).save(tmp_path / "one.png")
+    ctx = fake_ctx(tmp_path, ["infer.package=export-ort_cpu", f"infer.image={tmp_path / 'one.png'}",
+                              "infer.threads=1"])
+    read = infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)
+    assert read["predictions"] == {"one.png": got.texts[0]}
+    ctx = fake_ctx(tmp_path, [f"eval.model={folder / 'model'}", f"eval.formulas={tmp_path / 'formulas.txt'}",
+                              "model.max_length=24", "eval.latency_samples=0", "eval.image_match=false"])
+    evaluated = evaluate.run(OmegaConf.to_object(ctx.cfg.eval), ctx)
+    rows = [json.loads(line) for line in (tmp_path / "evaluate-model" / "predictions.jsonl").read_text().splitlines()]
+    assert [r["pred"] for r in rows] == want.texts and evaluated["metrics"]["n"] == 3
 
 
 def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokenizer_is_named(tmp_path):

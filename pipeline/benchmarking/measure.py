@@ -33,7 +33,10 @@ def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_le
     return {"n": len(truths), "exact_match": float(np.mean(exact)) if exact else 0.0,
             "cer": corpus_cer(result.texts, list(truths)), "images_per_s": len(truths) / seconds,
             "batch_size": batch_size, "seconds": seconds, "token_ids": result.token_ids, "texts": result.texts, "exact": exact,
-            "hit_cap_share": float(np.mean(result.hit_cap)) if result.hit_cap else 0.0}
+            "hit_cap_share": float(np.mean(result.hit_cap)) if result.hit_cap else 0.0,
+            "steps_per_formula": float(np.mean(result.steps)) if result.steps else 0.0,
+            "encoder_ms_per_formula": 1000 * result.encoder_seconds / max(1, len(truths)),
+            "decoder_ms_per_formula": 1000 * result.decoder_seconds / max(1, len(truths))}
 
 
 def identical_share(ids: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:

@@ -16,6 +16,7 @@ from pipeline.export import onnx_graphs as og
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
+from pipeline.tokenization.bpe import is_bpe_file
 from pipeline.quantization.fusion import fuse_attention, fuse_cached_attention
 
 
@@ -158,6 +159,8 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
         "graphs": graphs, "io": og.graph_io(nl), "precision": built.precision,
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
+        # the char vocabulary, or the formula BPE (HF tokenizers JSON) of a decoder from stage distill
+        "tokenizer": {"file": TOKENIZER, "kind": "bpe" if is_bpe_file(adapter.tokenizer_path) else "char"},
         "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
         "max_positions": adapter.max_positions or int(max_length),  # the decoder position table

@@ -204,6 +204,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
         both = min(r["n"], reference["n"])
         row = {"label": v.label, "kind": v.kind, "location": v.location, "exact_match": r["exact_match"],
                "cer": r["cer"], "accuracy_n": r["n"], "hit_cap_share": r["hit_cap_share"],
+               "steps_per_formula": r["steps_per_formula"], "encoder_ms_per_formula": r["encoder_ms_per_formula"],
+               "decoder_ms_per_formula": r["decoder_ms_per_formula"],
                "accuracy_seconds": r["seconds"],
                "identical_tokens": measure.identical_share(r["token_ids"][:both], reference["token_ids"][:both]),
                "compared_n": both,
@@ -289,6 +291,14 @@ def _write_report(folder: Path, m: dict) -> None:
         lines += ["## Serving", "", f"{m['serving']['clients']} concurrent clients (threads) x "
                   f"{m['serving']['requests_per_client']} batch-1 requests each against one in-process package "
                   "(the threads share its ONNX Runtime sessions):", "", summary.serving_table(m["serving"]), ""]
+    lines += ["## Decoding", "", f"From the accuracy pass (batch {m['batch_size']}; finished rows leave the batch): "
+              "decoder steps per formula (EOS included), the share stopped by the cap, and the encoder's and "
+              "decoder's milliseconds per formula.", "",
+              markdown_table(["variant", "n", "steps / formula", "stopped at cap", "encoder ms / formula",
+                              "decoder ms / formula"],
+                             [[v["label"], v["accuracy_n"], f"{v.get('steps_per_formula', 0):.1f}",
+                               f"{v['hit_cap_share']:.3f}", f"{v.get('encoder_ms_per_formula', 0):.1f}",
+                               f"{v.get('decoder_ms_per_formula', 0):.1f}"] for v in m["variants"]]), ""]
     lines += ["## Where each variant is", "",
               markdown_table(["variant", "kind", "location"], [[v["label"], v["kind"], f"`{v['location']}`"]
                                                                 for v in m["variants"]]), ""]
