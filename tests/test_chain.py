@@ -56,3 +56,37 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path)
     for stage in ("prune", "quantize"):
         assert again[stage]["key"] == first[stage]["key"], stage
     assert again["export"]["key"] == first["export"]["key"] == manifest["key"]  # one target: its manifest
+
+
+def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_path):
+    """``distill.in_chain=true``: prune -> distill -> quantize -> export, the package speaks the BPE."""
+    import datasets
+
+    from pipeline.data.render import render_formula
+    from pipeline.stages import distill, export, prune, quantize
+    from pipeline.tokenization.atoms import normalize_formula
+    from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
+
+    original = tmp_path / "tiny-model"
+    adapter = build_tiny()
+    adapter.save(original)
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
+    datasets.Dataset.from_dict({"pixel_values": images, "text": FORMULAS}).save_to_disk(
+        str(tmp_path / "calibrate" / "calib_set"))
+    extra = [t for t in model_char_vocabulary().token_to_id if t not in SPECIALS]
+    (tmp_path / "tokenizer").mkdir()
+    train_formula_bpe([normalize_formula(f) for f in FORMULAS * 3], 400, extra_atoms=extra).tokenizer.save(
+        str(tmp_path / "tokenizer" / "tokenizer.json"))
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    ctx = fake_ctx(tmp_path, [f"prune.model={original}", f"export.formulas={tmp_path / 'formulas.txt'}", *CHAIN,
+                              "distill.in_chain=true", "distill.steps=2", "distill.batch=4", "distill.templated=0",
+                              "distill.eval_images=2", "distill.eval_every=0"])
+    done = {name: mod.run(OmegaConf.to_object(ctx.cfg[name]), ctx)
+            for name, mod in (("prune", prune), ("distill", distill), ("quantize", quantize), ("export", export))}
+    assert done["distill"]["config"]["model_ref"] == "prune"      # the student of the pruned model
+    assert done["quantize"]["config"]["model_ref"] == "distill"   # quantize took the student
+    pkg = tmp_path / "export-ort_cpu"
+    assert json.loads((pkg / "manifest.json").read_text())["config"]["model_ref"] == "distill"
+    meta = json.loads((pkg / "package.json").read_text())
+    assert meta["tokenizer"]["kind"] == "bpe" and meta["precision"]["encoder"].startswith("int8 qdq")
+    assert (pkg / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()

@@ -54,6 +54,21 @@ def test_unbuilt_stage_says_so(monkeypatch, tmp_path):
         run_stages(cfg)
 
 
+@pytest.mark.parametrize("in_chain", [False, True])
+def test_stage_all_runs_distill_only_when_it_is_in_the_chain(monkeypatch, tmp_path, in_chain):
+    from dataclasses import replace
+
+    from pipeline import stages
+    from pipeline.__main__ import run_stages
+
+    ran = []
+    for name, spec in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, replace(spec, run=lambda cfg, ctx, n=name: ran.append(n)))
+    run_stages(compose_cfg(["stage=all", f"artifacts.dir={tmp_path}", f"distill.in_chain={in_chain}"]))
+    want = [n for n in stages.ORDER if in_chain or n != "distill"]
+    assert ran == want and ("distill" in ran) == in_chain
+
+
 def test_bad_input_in_a_stage_is_one_line(tmp_path):
     proc = run_cli("stage=evaluate", f"eval.formulas={tmp_path / 'missing.txt'}", f"artifacts.dir={tmp_path / 'a'}",
                    "progress=false")
