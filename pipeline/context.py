@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,13 +12,16 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.adapters.base import ModelAdapter, load_adapter
-from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, stage_output
+from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, sha256_json, stage_output
 from pipeline.data.corpus import SHIFT, Formula, build_corpus, build_shift_split, read_jsonl, write_jsonl
 from pipeline.errors import ConfigError, PipelineError
 
 ORIGINAL = ("original", "package")
 MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
 SHIFT_FOLDER = "corpus-shift"  # the shift split's artifact folder
+# config keys of the stages a sweep job gets its own folders for (the model chain); the others
+# (evaluate, tokenizer, calibrate, the corpus) are shared by every job
+JOB_SCOPED = ("prune", "distill", "quantize", "export", "benchmark")
 
 
 @dataclass
@@ -74,6 +78,49 @@ class StageContext:
         raise PipelineError(f"no model {ref!r}: not 'original', not a stage with a model under "
                             f"{self.artifacts_dir}, not a saved model folder")
 
+    # ---- sweeps --------------------------------------------------------------------------------
+    def job_tag(self, stage: str) -> str | None:
+        """In a Hydra multirun job: the job's overrides of ``stage`` and of the model-chain stages
+        before it (:data:`JOB_SCOPED`; ``*.name`` left out), as a folder-name suffix, so the jobs of a
+        sweep never overwrite each other and a later sweep with the same upstream overrides finds its
+        jobs' folders. None outside a multirun, or when the job overrides none of those keys."""
+        try:
+            from hydra.core.hydra_config import HydraConfig
+            from hydra.types import RunMode
+
+            hc = HydraConfig.get()
+        except (ValueError, ImportError):  # not under Hydra (tests, library use)
+            return None
+        if hc.mode != RunMode.MULTIRUN:
+            return None
+        scope = JOB_SCOPED[:JOB_SCOPED.index(stage) + 1]
+        own = []
+        for o in hc.overrides.task:
+            key = o.split("=", 1)[0].lstrip("+~")
+            if key.split(".")[0] in scope and not key.endswith(".name"):
+                own.append(o.lstrip("+~"))
+        if not own:
+            return None
+        tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(sorted(own)))
+        if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
+            tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"
+        return tag
+
+    def artifact_name(self, default: str, explicit: str | None = None, stage: str | None = None) -> str:
+        """A stage's folder name: ``explicit`` (its ``name`` key) when given, else ``default``, with
+        the multirun job's tag for ``stage`` (default: ``default`` itself) appended inside a sweep."""
+        if explicit:
+            return explicit
+        tag = self.job_tag(stage or default)
+        return f"{default}-{tag}" if tag else default
+
+    def stage_folder(self, name: str, stage: str | None = None) -> Path:
+        """Where the artifact ``name`` of ``stage`` is for this run: the sweep job's own when it exists
+        (a job of ``-m stage=export prune.num_heads=4,8`` finds ``prune-prune.num_heads=4``), else the
+        shared one."""
+        own = self.artifacts_dir / self.artifact_name(name, stage=stage or name)
+        return own if (own / "manifest.json").is_file() else self.artifacts_dir / name
+
     def chain_upstream(self) -> tuple[str, ...]:
         """The stages whose model the chain hands on, in order: prune, then distill's BPE decoder
         when ``distill.in_chain`` (off until it meets its bar, docs/distill.md)."""
@@ -86,8 +133,9 @@ class StageContext:
         if ref != "auto":
             return ref
         for stage in reversed(upstream):
-            if (self.artifacts_dir / stage / MODEL_SUBDIR / "config.json").is_file():
-                return stage
+            for name in dict.fromkeys((self.artifact_name(stage), stage)):  # the sweep job's own first
+                if (self.artifacts_dir / name / MODEL_SUBDIR / "config.json").is_file():
+                    return name
         return "original"
 
     def load_model(self, ref: str = "original") -> ModelAdapter:

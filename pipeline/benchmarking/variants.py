@@ -50,6 +50,7 @@ def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: 
             notes.append(f"no package {ref!r} under {root}: variant '{label}' skipped")
         else:
             found[label] = folder
+    requested = expand_patterns(requested, root)
     missing = [f"{label}={ref}" for label, ref in requested.items() if package_path(ref, root) is None]
     if missing:
         raise PipelineError(f"benchmark.packages: no exported package (no {PACKAGE_META}) at {', '.join(missing)} "
@@ -57,6 +58,23 @@ def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: 
     for label, ref in requested.items():
         found[label] = package_path(ref, root)  # type: ignore[assignment]
     return found, notes
+
+
+def expand_patterns(requested: dict[str, str], root: Path) -> dict[str, str]:
+    """A reference with ``*`` (``export-ort_cpu-*``: the packages of a sweep's jobs) becomes one entry
+    per package it matches under ``root`` (or as a path), labelled ``<label> <folder name>``; a pattern
+    that matches no package is an error."""
+    out: dict[str, str] = {}
+    for label, ref in requested.items():
+        if "*" not in ref:
+            out[label] = ref
+            continue
+        base = Path(ref) if Path(ref).is_absolute() else root / ref
+        found = sorted(p for p in base.parent.glob(base.name) if (p / PACKAGE_META).is_file())
+        if not found:
+            raise PipelineError(f"benchmark.packages: {label}={ref} matches no exported package under {base.parent}")
+        out.update({f"{label} {p.name}": str(p) for p in found})
+    return out
 
 
 def dir_bytes(paths: list[Path]) -> int:

@@ -62,7 +62,7 @@ class BenchmarkConfig:
     memory: bool = True              # peak resident memory, one fresh process per variant
     memory_images: int = 8           # images that process reads (one batch)
     summary: bool = True             # write <artifacts>/summary.md and summary.json
-    name: str = "benchmark"          # artifact folder
+    name: Optional[str] = None       # artifact folder; default "benchmark" (+ the job's tag in a multirun)
 
 
 Config = BenchmarkConfig
@@ -96,7 +96,9 @@ def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     _validate(cfg)
-    defaults = DEFAULT_PACKAGES if cfg.default_packages else {}
+    # a sweep job's own deployable package when it has one (export-ort_cpu-<job tag>)
+    defaults = {label: str(ctx.stage_folder(ref, stage="export")) for label, ref in DEFAULT_PACKAGES.items()} \
+        if cfg.default_packages else {}
     folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir)
     for note in notes:
         log.info(f"[benchmark] {note}")
@@ -109,13 +111,16 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
         inputs["evaluate"] = evaluated[0]
         notes.append(evaluated[1])
     config = {**asdict(cfg), "max_length": max_length, "packages_resolved": {k: str(v) for k, v in folders.items()}}
-    with ctx.output(cfg.name, config, inputs) as out:
+    with ctx.output(ctx.artifact_name("benchmark", cfg.name), config, inputs) as out:
         if out.reused:
             log.info(f"[benchmark] unchanged, reused {out.path}")
         else:
             out.metrics.update(_measure(cfg, ctx, folders, formulas, max_length, notes, out.path))
     metrics = out.metrics
-    if cfg.summary:
+    if cfg.summary and ctx.job_tag("benchmark") is not None:  # one job of a sweep: no run summary (the jobs would race)
+        log.info("[benchmark] a sweep job writes no artifacts/summary.md; collect the sweep's packages in one "
+                 "benchmark: stage=benchmark '+benchmark.packages.sweep=export-ort_cpu-*'")
+    elif cfg.summary:
         md, _ = summary.write_summary(ctx.artifacts_dir, out.path, metrics)
         log.info(f"[benchmark] summary: {md}")
     _print_summary(metrics)

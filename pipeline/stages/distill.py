@@ -64,7 +64,7 @@ class DistillConfig:
     # quantize and export take this stage's model in the chain (and stage=all runs it) only when
     # true: off until the BPE decoder meets issue 14's bar on the whole eval split (docs/distill.md)
     in_chain: bool = False
-    name: Optional[str] = None       # artifact folder; default "distill"
+    name: Optional[str] = None       # artifact folder; default "distill" (+ the job's tag in a multirun)
 
 
 Config = DistillConfig
@@ -143,7 +143,7 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     max_length, batch_size = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
     model_ref = ctx.chain_model(cfg.model, upstream=("prune",))
     tok_file = _tokenizer_file(cfg.tokenizer, ctx)
-    name = cfg.name or "distill"
+    name = ctx.artifact_name("distill", cfg.name)
     model_hash = ctx.model_hash(model_ref)
     config = {**asdict(cfg), "model_ref": model_ref, "max_length": max_length, "seed": ctx.seed}
     config.pop("in_chain")  # where the chain takes the model from, not how it is made

@@ -96,7 +96,7 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
         return ctx.chain_model(cfg.model, ctx.chain_upstream()), Path(cfg.qdq_encoder), {}, ""
     if cfg.quantized == "none":
         return ctx.chain_model(cfg.model, ctx.chain_upstream()), None, {}, ""
-    folder = ctx.artifacts_dir / "quantize" if cfg.quantized == "auto" else Path(cfg.quantized)
+    folder = ctx.stage_folder("quantize") if cfg.quantized == "auto" else Path(cfg.quantized)
     if not (folder / "manifest.json").is_file():
         if cfg.quantized != "auto":
             raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
@@ -146,7 +146,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
         raise PipelineError(f"export.parity_limit must be >= 1 or null, got {cfg.parity_limit}")
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
-    name = cfg.name or f"export-{target.name}"
+    name = ctx.artifact_name(f"export-{target.name}", cfg.name, stage="export")
     model_ref, qdq_path, int8_decoders, handed = _chain(cfg, ctx, target.name)
     if handed:
         log.info(f"[export] {handed}")

@@ -132,26 +132,6 @@ def _attention_layers(adapter) -> list:
     return attns
 
 
-def _artifact_name(cfg: PruneConfig) -> str:
-    if cfg.name:
-        return cfg.name
-    try:  # a multirun job gets its own folder, named by its overrides, so jobs never overwrite
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        hc = HydraConfig.get()
-        if hc.mode == RunMode.MULTIRUN:
-            own = sorted(o.split("prune.", 1)[1] for o in hc.overrides.task
-                         if o.startswith("prune.") and not o.startswith("prune.name="))
-            tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(own)) or str(hc.job.num)
-            if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
-                tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"
-            return f"prune-{tag}"
-    except (ValueError, ImportError):  # not under Hydra (tests, library use)
-        pass
-    return "prune"
-
-
 # ---- data -------------------------------------------------------------------------------------
 def _render(adapter, formulas, limit: int, progress: bool, desc: str) -> tuple[torch.Tensor, list[str], list[str]]:
     items = render_inputs([(f.id, f.latex) for f in formulas], adapter.preprocess, limit, progress, desc)
@@ -200,7 +180,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         raise PipelineError(f"removing {n_remove} of {total_heads} heads would leave a layer with fewer than "
                             f"prune.min_heads_per_layer={cfg.min_heads_per_layer} head(s); at most {limit} can go")
 
-    name = _artifact_name(cfg)
+    name = ctx.artifact_name("prune", cfg.name)
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,

@@ -76,7 +76,7 @@ class QuantizeConfig:
     decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
-    name: str = "quantize"            # artifact folder
+    name: Optional[str] = None        # artifact folder; default "quantize" (+ the job's tag in a multirun)
 
 
 Config = QuantizeConfig
@@ -129,7 +129,7 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
               "batch_size": int(mcfg.batch_size)}
     log.info(f"[quantize] model: {model_ref}"
              + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""))
-    with ctx.output(cfg.name, config, inputs) as out:
+    with ctx.output(ctx.artifact_name("quantize", cfg.name), config, inputs) as out:
         if out.reused:
             log.info(f"[quantize] unchanged, reused {out.path}")
             _print_summary(out.metrics)
