@@ -158,3 +158,17 @@ def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokeniz
     assert not (tmp_path / "distill").exists()
     with pytest.raises(PipelineError, match="distill.steps must be >= 1"):
         distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.steps=0"]).cfg.distill), ctx)
+
+
+def test_block_lr_scale_zero_trains_only_the_new_vocabulary_rows(bpe_file):
+    from pipeline.distillation.train import Schedule, train_decoder
+
+    torch.manual_seed(0)
+    student = _student(bpe_file)
+    before = {k: v.clone() for k, v in student.model.state_dict().items()}
+    targets = [student.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:4]]
+    s = Schedule(steps=3, minutes=10, batch=2, lr=1e-2, warmup=1, weight_decay=0.0, eval_every=0,
+                 block_lr_scale=0.0)
+    train_decoder(student, torch.randn(4, 32, 32), targets, s)
+    changed = {k for k, v in student.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"decoder_embed.token_emb.weight", "lm_head.weight", "lm_head.bias"}

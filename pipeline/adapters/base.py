@@ -116,6 +116,11 @@ class ModelAdapter(abc.ABC):
         """The parameters stage distill trains (everything after the encoder)."""
         raise PipelineError(f"model family {self.family!r} does not say which parameters its decoder has")
 
+    def vocabulary_parameters(self) -> list[nn.Parameter]:
+        """The decoder's parameters with one row per token (embedding, output layer): what
+        :meth:`with_bpe` builds anew; the rest of :meth:`decoder_parameters` is copied."""
+        raise PipelineError(f"model family {self.family!r} does not say which parameters hold its vocabulary")
+
     # ---- compute ------------------------------------------------------------------------------
     @abc.abstractmethod
     def encode(self, images: torch.Tensor) -> torch.Tensor:

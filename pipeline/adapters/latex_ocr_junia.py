@@ -269,6 +269,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     def decoder_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if not n.startswith(("patch_embed", "encoder"))]
 
+    def vocabulary_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.model.decoder_embed.token_emb.weight, *self.model.lm_head.parameters()]
+
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:
         return [int(block.attn.num_heads) for block in self.model.encoder_blocks]

@@ -33,6 +33,7 @@ class Schedule:
     seed: int = 0
     checkpoint_every: int = 100
     eval_every: int = 250  # steps between learning-curve points (0 = only at the start and the end)
+    block_lr_scale: float = 1.0  # learning-rate factor for the copied decoder weights (the new rows get lr)
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
@@ -77,7 +78,11 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
     Returns ``{"steps", "stopped_by", "minutes", "resumed_at", "curve", "losses"}``."""
     model = student.model
     params = student.decoder_parameters()
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    fresh = {id(p) for p in student.vocabulary_parameters()} if s.block_lr_scale != 1.0 else set()
+    groups = [{"params": [p for p in params if id(p) in fresh or not fresh], "scale": 1.0}]
+    if fresh:
+        groups.append({"params": [p for p in params if id(p) not in fresh], "scale": s.block_lr_scale})
+    opt = torch.optim.AdamW(groups, lr=s.lr, weight_decay=s.weight_decay)
     step, seconds, resumed, curve, losses = 0, 0.0, 0, [], []
     if state_file is not None and Path(state_file).is_file():
         saved = torch.load(state_file, map_location="cpu", weights_only=True)
@@ -113,7 +118,7 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
             idx = batch_indices(len(targets), s.batch, step, s.seed)
             seq = pad_batch([targets[i] for i in idx], student.pad_id)
             for group in opt.param_groups:
-                group["lr"] = learning_rate(s, step)
+                group["lr"] = learning_rate(s, step) * group["scale"]
             model.train()
             logits = student.decode_logits(seq[:, :-1], memory[idx].float())
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), seq[:, 1:].reshape(-1),

@@ -58,6 +58,8 @@ class DistillConfig:
     lr: float = 5e-4                 # AdamW, linear warm-up then cosine decay to a tenth
     warmup: int = 50
     weight_decay: float = 0.01
+    block_lr_scale: float = 1.0      # lr factor for the decoder weights copied from the char model (the new
+                                     # embedding and output rows always get distill.lr)
     checkpoint_every: int = 100      # steps between resume checkpoints
     eval_every: int = 500            # steps between learning-curve points
     eval_images: int = 32            # first eval-split formulas read at each point (and by the char model)
@@ -81,8 +83,8 @@ def _validate(cfg: DistillConfig) -> None:
         raise PipelineError(f"distill.train_images must be >= 0 or null, got {cfg.train_images}")
     if not cfg.minutes > 0:
         raise PipelineError(f"distill.minutes must be > 0, got {cfg.minutes}")
-    if not (cfg.lr > 0 and cfg.weight_decay >= 0):
-        raise PipelineError("distill.lr must be > 0 and distill.weight_decay >= 0")
+    if not (cfg.lr > 0 and cfg.weight_decay >= 0 and cfg.block_lr_scale >= 0):
+        raise PipelineError("distill.lr must be > 0, distill.weight_decay and distill.block_lr_scale >= 0")
     if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
         raise PipelineError(f"distill.name must be a plain folder name, got {cfg.name!r}")
 
@@ -173,7 +175,8 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
 
         schedule = Schedule(steps=cfg.steps, minutes=cfg.minutes, batch=cfg.batch, lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup=cfg.warmup, seed=ctx.seed,
-                            checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every)
+                            checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
+                            block_lr_scale=cfg.block_lr_scale)
         torch.manual_seed(ctx.seed)  # dropout
         resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         evaluate = lambda: {k: v for k, v in _read(student, mem_eval, truths, max_length, batch_size).items()  # noqa: E731
@@ -237,6 +240,7 @@ def _write_report(folder: Path, m: dict, config: dict) -> None:
              f"{s['hit_cap_share']:.2f}", f"{s['decoder_seconds']:.2f}"]]
     curve = [[p["step"], f"{p['minutes']:.1f}", "" if p["loss"] is None else f"{p['loss']:.3f}",
               f"{p['exact_match']:.3f}", f"{p['cer']:.3f}", f"{p['steps_per_formula']:.1f}"] for p in m["curve"]]
+    resumed = f" (resumed from the checkpoint at step {m['resumed_at']})" if m["resumed_at"] else ""
     stop = "the step budget" if m["stopped_by"] == "steps" else \
         f"the {config['minutes']} min cap (the weights then depend on the machine's speed)"
     text = [
@@ -245,7 +249,7 @@ def _write_report(folder: Path, m: dict, config: dict) -> None:
         f"{m['train_images']} rendered formulas ({m['train_from_split']} train split + templated), encoder "
         f"frozen (outputs cached fp16: {m['encoder_cache_seconds']:.0f} s"
         f"{', reused' if m['encoder_cache_reused'] else ''}), {m['steps']} of {m['steps_planned']} steps in "
-        f"{m['training_minutes']:.1f} training minutes, stopped by {stop}; the stage took "
+        f"{m['training_minutes']:.1f} training minutes, stopped by {stop}{resumed}; this process took "
         f"{m['stage_minutes']:.1f} min.", "",
         f"## First {m['eval_images']} eval formulas (torch, KV cache, greedy)", "",
         markdown_table(["decoder", "exact match", "CER", "steps / formula", "stopped at cap", "decoder s (all)"], rows),
