@@ -83,7 +83,7 @@ class StageContext:
         """In a Hydra multirun job: the job's overrides of ``stage`` and of the model-chain stages
         before it (:data:`JOB_SCOPED`; ``*.name`` left out), as a folder-name suffix, so the jobs of a
         sweep never overwrite each other and a later sweep with the same upstream overrides finds its
-        jobs' folders. None outside a multirun, or when the job overrides none of those keys."""
+        jobs' folders; the job's number when it overrides none of those keys. None outside a multirun."""
         try:
             from hydra.core.hydra_config import HydraConfig
             from hydra.types import RunMode
@@ -99,8 +99,8 @@ class StageContext:
             key = o.split("=", 1)[0].lstrip("+~")
             if key.split(".")[0] in scope and not key.endswith(".name"):
                 own.append(o.lstrip("+~"))
-        if not own:
-            return None
+        if not own:  # a sweep over other keys (seed=0,1): the job's number keeps the jobs apart
+            return str(hc.job.num)
         tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(sorted(own)))
         if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
             tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"

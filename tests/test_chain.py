@@ -29,18 +29,23 @@ def _chain(root, original):
                                    ("export", export, "export"))}
 
 
-def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path):
+def _tiny_with_calib_set(root):
+    """The tiny model saved under ``root`` and a calibration set of its renderings (what calibrate writes)."""
     import datasets
 
     from pipeline.data.render import render_formula
 
-    original = tmp_path / "tiny-model"
+    original = root / "tiny-model"
     adapter = build_tiny()
     adapter.save(original)
     images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
     datasets.Dataset.from_dict({"pixel_values": images, "text": FORMULAS}).save_to_disk(
-        str(tmp_path / "calibrate" / "calib_set"))
+        str(root / "calibrate" / "calib_set"))
+    return original, adapter
 
+
+def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path):
+    original, adapter = _tiny_with_calib_set(tmp_path)
     first = _chain(tmp_path, original)
     assert first["quantize"]["config"]["model_ref"] == "prune"  # quantize.model=auto took prune's model
     pruned_heads = json.loads((tmp_path / "prune" / "model" / "config.json").read_text())["encoder_heads"]
@@ -60,19 +65,11 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path)
 
 def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_path):
     """``distill.in_chain=true``: prune -> distill -> quantize -> export, the package speaks the BPE."""
-    import datasets
-
-    from pipeline.data.render import render_formula
     from pipeline.stages import distill, export, prune, quantize
     from pipeline.tokenization.atoms import normalize_formula
     from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
 
-    original = tmp_path / "tiny-model"
-    adapter = build_tiny()
-    adapter.save(original)
-    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
-    datasets.Dataset.from_dict({"pixel_values": images, "text": FORMULAS}).save_to_disk(
-        str(tmp_path / "calibrate" / "calib_set"))
+    original, _ = _tiny_with_calib_set(tmp_path)
     extra = [t for t in model_char_vocabulary().token_to_id if t not in SPECIALS]
     (tmp_path / "tokenizer").mkdir()
     train_formula_bpe([normalize_formula(f) for f in FORMULAS * 3], 400, extra_atoms=extra).tokenizer.save(

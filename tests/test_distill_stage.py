@@ -110,6 +110,19 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     assert isinstance(student.tokenizer, BpeTokenizer) and student.vocab_size == m["vocab_size"] != 166
     assert student.model.lm_head.out_features == student.vocab_size
 
+    import shutil
+
+    from pipeline.errors import PipelineError
+
+    wrong = tmp_path / "wrong-vocabulary"  # a BPE of another size beside the weights: one clear error
+    shutil.copytree(folder / "model", wrong)
+    char = model_char_vocabulary()
+    extra = [t for t in char.token_to_id if t not in SPECIALS]
+    train_formula_bpe([normalize_formula(f) for f in FORMULAS], 200, extra_atoms=extra).tokenizer.save(
+        str(wrong / "tokenizer.json"))
+    with pytest.raises(PipelineError, match="entries; the model's output layer has"):
+        LatexOcrJuniaAdapter.load(str(wrong))
+
     again = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)  # unchanged: reused
     assert again["key"] == manifest["key"]
 

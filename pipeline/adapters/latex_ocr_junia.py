@@ -176,6 +176,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise PipelineError(f"corrupt model weights {folder / WEIGHTS}: {str(exc).splitlines()[0]}") from None
             if bpe:
+                if tokenizer.vocab_size != model_config.vocab_size:
+                    raise SchemaError(f"{TOKENIZER} in {folder} has {tokenizer.vocab_size} entries; the model's "
+                                      f"output layer has {model_config.vocab_size} (field 'model_config.vocab_size')")
                 return cls(model, model_config, tokenizer, tokenizer_path)
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
