@@ -101,7 +101,9 @@ class StageContext:
                 own.append(o.lstrip("+~"))
         if not own:  # a sweep over other keys (seed=0,1): the job's number keeps the jobs apart
             return str(hc.job.num)
-        tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(sorted(own)))
+        swept = _swept_keys(Path(hc.sweep.dir))  # first, so a shortened tag still says what differs
+        own = sorted(own, key=lambda o: (o.split("=", 1)[0] not in swept, o))
+        tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(own))
         if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
             tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"
         return tag
@@ -218,6 +220,18 @@ class StageContext:
     def upstream(self, stage: str) -> dict[str, Any]:
         """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""
         return read_manifest(self.artifacts_dir / stage)
+
+
+def _swept_keys(sweep_dir: Path) -> set[str]:
+    """The keys a multirun sweeps (``prune.num_heads=4,8``), from the ``multirun.yaml`` Hydra writes
+    in the sweep folder before it launches the jobs; empty when it cannot be read."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        task = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+        return {o.key_or_group for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override()}
+    except Exception:  # noqa: BLE001 - a missing or unreadable file only costs the ordering
+        return set()
 
 
 def progress_enabled(setting: bool | None) -> bool:

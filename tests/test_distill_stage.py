@@ -118,7 +118,7 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     shutil.copytree(folder / "model", wrong)
     char = model_char_vocabulary()
     extra = [t for t in char.token_to_id if t not in SPECIALS]
-    train_formula_bpe([normalize_formula(f) for f in FORMULAS], 200, extra_atoms=extra).tokenizer.save(
+    train_formula_bpe([normalize_formula(f) for f in FORMULAS], 300, extra_atoms=extra).tokenizer.save(
         str(wrong / "tokenizer.json"))
     with pytest.raises(PipelineError, match="entries; the model's output layer has"):
         LatexOcrJuniaAdapter.load(str(wrong))

@@ -31,6 +31,9 @@ def test_two_point_sweep_then_one_benchmark_collects_its_packages(tmp_path, corp
     assert proc.returncode == 0, proc.stderr[-2000:]
     packages = sorted(p for p in root.glob("export-ort_cpu-*") if (p / "package.json").is_file())
     assert len(packages) == 2 and not (root / "export-ort_cpu").exists()
+    # the swept key leads the (shortened) folder name, so the names say what differs
+    assert sorted(p.name[:len("export-ort_cpu-prune.num_heads=1")] for p in packages) == \
+        ["export-ort_cpu-prune.num_heads=1", "export-ort_cpu-prune.num_heads=2"]
     took = sorted(json.loads((p / "manifest.json").read_text())["config"]["model_ref"] for p in packages)
     assert took == pruned
 
