@@ -9,6 +9,7 @@ with ``weights_only=True`` (tensors, numbers, strings, lists and dicts only).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -36,13 +37,14 @@ class Schedule:
     block_lr_scale: float = 1.0  # learning-rate factor for the copied decoder weights (the new rows get lr)
 
 
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(n))
+
+
 def batch_indices(n: int, batch: int, step: int, seed: int) -> list[int]:
     """The images of ``step``'s batch: positions step*batch ... of a stream of per-epoch permutations."""
-    out = []
-    for pos in range(step * batch, (step + 1) * batch):
-        epoch, i = divmod(pos, n)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n)[i]))
-    return out
+    return [_epoch_order(n, seed, pos // n)[pos % n] for pos in range(step * batch, (step + 1) * batch)]
 
 
 def learning_rate(s: Schedule, step: int) -> float:
