@@ -207,3 +207,18 @@ def test_evaluate_stage_reading_of_the_shipped_model_is_noted_for_the_same_cap(t
     assert key == "k1" and "n=574" in line and "exact match 0.549" in line and "KV-cached" in line
     assert _evaluate_note(ctx, "original", 64) is None          # another cap: not comparable
     assert _evaluate_note(ctx, "prune", 160) is None            # another model
+
+
+def test_a_pattern_collects_a_sweeps_packages_and_one_that_matches_nothing_is_an_error(tmp_path):
+    from pipeline.benchmarking.variants import resolve_packages
+    from pipeline.errors import PipelineError
+
+    for name in ("export-ort_cpu-prune.num_heads=4", "export-ort_cpu-prune.num_heads=8", "export-ort_cpu-other"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "package.json").write_text("{}")
+    (tmp_path / "export-ort_cpu-prune.num_heads=9").mkdir()  # no package.json: not a package
+    found, _ = resolve_packages({"sweep": "export-ort_cpu-prune.num_heads=*"}, {}, tmp_path)
+    assert found == {f"sweep export-ort_cpu-prune.num_heads={h}": tmp_path / f"export-ort_cpu-prune.num_heads={h}"
+                     for h in (4, 8)}
+    with pytest.raises(PipelineError, match="matches no exported package"):
+        resolve_packages({"sweep": "export-ort_cpu-none-*"}, {}, tmp_path)
