@@ -184,8 +184,7 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         trained = train_decoder(student, mem_train, targets, schedule, evaluate, resume / "student.pt",
                                 ctx.progress)
         final = _read(student, mem_eval, truths, max_length, batch_size)
-        student.save(out.path / "model")
-        shutil.copyfile(tok_file, out.path / "model" / TOKENIZER_FILE)  # the BPE, byte for byte
+        student.save(out.path / "model")  # with the BPE tokenizer.json, byte for byte
 
         curve = trained["curve"]
         _plot_curve(out.path / "learning_curve.png", curve, char_row, len(truths))
