@@ -17,7 +17,7 @@ from tiny_model import FORMULAS, build_tiny, fake_ctx
 from pipeline.errors import PipelineError
 
 SMALL = ["model.max_length=8", "benchmark.samples=2", "benchmark.memory_images=2", "benchmark.clients=2",
-         "benchmark.requests=2", "benchmark.full_prefix_limit=3", "benchmark.torch_limit=6"]
+         "benchmark.requests=2", "benchmark.full_prefix_limit=3", "benchmark.torch_limit=6", "benchmark.timing_images=4"]
 
 
 @pytest.fixture(scope="module")
@@ -95,13 +95,32 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     # the KV-cached torch decoder is the reference: identical to itself, and fp32 ORT reads the same tokens
     assert by["torch tiny-model + KV cache"]["identical_tokens"] == 1.0
     assert d["identical_tokens"] == 1.0
+    # the two packages read the split side by side (benchmark.workers=2), then were timed alone
+    assert by["deployable"]["timed_n"] == by["mine"]["timed_n"] == 4          # timing_images
+    assert by["torch tiny-model"]["timed_n"] == 3                             # its own accuracy pass
+    assert any("2 at a time" in n for n in m["notes"])
     folder = root / "benchmark"
     for name in ("report.md", "pareto.png", "benchmark.json", "predictions.jsonl", "manifest.json"):
         assert (folder / name).is_file(), name
     assert len((folder / "predictions.jsonl").read_text().splitlines()) == 10
     report = (folder / "report.md").read_text()
     assert "## Serving" in report and "## Where the time went" in report
-    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "latency", "serving", "peak memory"}
+    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "timing", "latency", "serving", "peak memory"}
+
+
+def test_packages_read_side_by_side_read_what_they_read_alone(root, benched):
+    """workers=2 (threads sharing the machine) and workers=1 (one variant after another) give the
+    same greedy tokens for every package; only the timing figures' source differs."""
+    alone = _run(root, "benchmark.workers=1", "benchmark.name=benchmark-alone", "benchmark.summary=false",
+                 f"+benchmark.packages.mine={root / 'other-package'}")["metrics"]
+    side = benched["metrics"]
+    lines = lambda name: (root / name / "predictions.jsonl").read_text()  # noqa: E731
+    assert lines("benchmark-alone") == lines("benchmark")
+    for a, b in zip(alone["variants"], side["variants"]):
+        assert (a["label"], a["exact_match"], a["cer"], a["steps_per_formula"]) == \
+               (b["label"], b["exact_match"], b["cer"], b["steps_per_formula"])
+    assert {v["timed_n"] for v in alone["variants"] if v["kind"] == "package"} == {10}
+    assert not any("at a time" in n for n in alone["notes"])
 
 
 def test_summary_files_hold_the_table_and_links_to_every_report(root, benched):

@@ -8,13 +8,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from pipeline.adapters.base import DecodeResult
+from pipeline import interrupts
 from pipeline.benchmarking.variants import Variant
 from pipeline.errors import PipelineError
 from pipeline.metrics import corpus_cer, normalize
@@ -23,11 +24,26 @@ log = logging.getLogger(__name__)
 Decode = Callable[[np.ndarray, int, int], DecodeResult]
 
 
+def _decode_chunks(variant: Variant, images: np.ndarray, max_length: int, batch_size: int,
+                   chunk: int) -> DecodeResult:
+    """``variant.decode`` over ``chunk``-image slices (a multiple of the batch), checking between
+    slices for Ctrl-C / SIGTERM: a worker thread never sees the signal itself."""
+    chunk = max(batch_size, chunk - chunk % batch_size)
+    parts = []
+    for start in range(0, len(images), chunk):
+        interrupts.check(f"during {variant.label}'s accuracy pass")
+        parts.append(variant.decode(images[start:start + chunk], max_length, batch_size))
+    return DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
+                        encoder_seconds=sum(p.encoder_seconds for p in parts),
+                        decoder_seconds=sum(p.decoder_seconds for p in parts),
+                        steps=[s for p in parts for s in p.steps], hit_cap=[h for p in parts for h in p.hit_cap])
+
+
 def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_length: int,
-             batch_size: int) -> dict:
+             batch_size: int, chunk: int = 64) -> dict:
     """One batched greedy pass: exact match, corpus CER, images/s at ``batch_size``, the tokens."""
     t0 = time.perf_counter()
-    result = variant.decode(images, max_length, batch_size)
+    result = _decode_chunks(variant, images, max_length, batch_size, chunk)
     seconds = time.perf_counter() - t0
     exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
     return {"n": len(truths), "exact_match": float(np.mean(exact)) if exact else 0.0,
@@ -37,6 +53,39 @@ def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_le
             "steps_per_formula": float(np.mean(result.steps)) if result.steps else 0.0,
             "encoder_ms_per_formula": 1000 * result.encoder_seconds / max(1, len(truths)),
             "decoder_ms_per_formula": 1000 * result.decoder_seconds / max(1, len(truths))}
+
+
+def accuracy_parallel(variants: Sequence[Variant], images: np.ndarray, truths: Sequence[str], max_length: int,
+                      batch_size: int, workers: int, progress: Callable[[int], None] | None = None) -> dict[str, dict]:
+    """:func:`accuracy` of each variant, ``workers`` of them at a time (threads: ONNX Runtime and
+    torch release the GIL while they compute, and each variant runs its own intra-op threads), so a
+    2-core machine reads two packages at once. Their wall-clock figures then share the machine:
+    :func:`timing` measures them again, quietly."""
+    out: dict[str, dict] = {}
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = {pool.submit(accuracy, v, images, truths, max_length, batch_size): v.label for v in variants}
+        try:
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                if progress is not None:
+                    progress(1)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return {v.label: out[v.label] for v in variants}
+
+
+def timing(variant: Variant, images: np.ndarray, max_length: int, batch_size: int) -> dict:
+    """A quiet batched pass on ``images`` (nothing else of the benchmark running): images/s and the
+    encoder's and decoder's milliseconds per formula."""
+    t0 = time.perf_counter()
+    result = variant.decode(images, max_length, batch_size)
+    seconds = time.perf_counter() - t0
+    n = max(1, len(images))
+    return {"timed_n": len(images), "images_per_s": len(images) / seconds,
+            "encoder_ms_per_formula": 1000 * result.encoder_seconds / n,
+            "decoder_ms_per_formula": 1000 * result.decoder_seconds / n}
 
 
 def identical_share(ids: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
