@@ -241,3 +241,31 @@ def test_a_pattern_collects_a_sweeps_packages_and_one_that_matches_nothing_is_an
                      for h in (4, 8)}
     with pytest.raises(PipelineError, match="matches no exported package"):
         resolve_packages({"sweep": "export-ort_cpu-none-*"}, {}, tmp_path)
+
+
+def test_the_packages_also_read_the_shift_split(root):
+    """Without a formulas file the benchmark reads the corpus split and, for the packages, each of
+    benchmark.extra_splits: their exact match and CER become the table's last columns."""
+    from pipeline.benchmarking import summary
+    from tiny_model import tiny_shift
+
+    from pipeline.stages import benchmark
+
+    ctx = fake_ctx(root, [f"benchmark.model={root / 'tiny-model'}", *SMALL, "benchmark.name=benchmark-splits",
+                          "benchmark.summary=false", "benchmark.memory=false", "benchmark.eval_limit=6"])
+    m = benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)["metrics"]
+    assert m["extra_splits"] == ["shift"]
+    by = {v["label"]: v for v in m["variants"]}
+    assert by["deployable"]["splits"]["shift"]["n"] == min(6, len(tiny_shift()))
+    assert 0.0 <= by["deployable"]["splits"]["shift"]["exact_match"] <= 1.0
+    assert by["torch tiny-model"]["splits"] == {}
+    header = summary.table(m["variants"]).splitlines()[0]
+    assert header.endswith("| exact match (shift) | CER (shift) |")
+
+
+def test_extra_split_equal_to_the_main_one_is_one_error(root):
+    from pipeline.stages import benchmark
+
+    ctx = fake_ctx(root, [f"benchmark.model={root / 'tiny-model'}", "benchmark.extra_splits=[eval]"])
+    with pytest.raises(PipelineError, match="extra_splits"):
+        benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)

@@ -118,6 +118,35 @@ def test_a_group_marked_float_has_no_qdq_on_its_weights(root, searched, tmp_path
             assert dq[plan["groups"][n]["node"]], n
 
 
+def _int8_weight_dqs(model: onnx.ModelProto) -> int:
+    inits = {t.name: t for t in model.graph.initializer}
+    return sum(1 for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+               and inits[n.input[0]].data_type == onnx.TensorProto.INT8)
+
+
+def test_the_ort_cpu_graph_has_its_own_plan_over_its_projections(root, searched, tmp_path):
+    """The ort_cpu encoder (attention fused) is searched on its own graph: its plan names every
+    projection (weights group) and no attention product; a projection set to float there loses its
+    weight Q/DQ in encoder.ort_cpu.qdq.onnx, whatever the plain graph's plan says."""
+    plan = json.loads((searched / "plan.json").read_text())
+    weights = {n for n, g in plan["groups"].items() if g["kind"] == "weights"}
+    assert set(plan["ort_cpu_groups"]) == weights
+    metrics = json.loads((searched / "quantize.json").read_text())
+    assert metrics["ort_cpu_search_trace"] and metrics["ort_cpu_groups"] == len(weights)
+    assert _int8_weight_dqs(onnx.load(str(searched / "encoder.ort_cpu.qdq.onnx"))) == metrics["ort_cpu_int8_groups"]
+    floated = sorted(weights)[0]
+    plan["ort_cpu_groups"] = {n: ("float" if n == floated else "int8") for n in weights}
+    for g in plan["groups"].values():
+        g["precision"] = "float"  # the plain graph's plan does not decide the ort_cpu graph's
+    path = tmp_path / "ort.json"
+    path.write_text(json.dumps(plan))
+    _run(root, f"quantize.plan={path}", "quantize.name=quantize-ort-edited")
+    out = root / "quantize-ort-edited"
+    assert _int8_weight_dqs(onnx.load(str(out / "encoder.ort_cpu.qdq.onnx"))) == len(weights) - 1
+    assert _int8_weight_dqs(onnx.load(str(out / "encoder.qdq.onnx"))) == 0
+    assert json.loads((out / "plan.json").read_text())["ort_cpu_groups"][floated] == "float"
+
+
 def test_plan_round_trip_and_validation(tmp_path):
     from pipeline.quantization.plan import GroupPlan, Plan, load
 
@@ -128,6 +157,17 @@ def test_plan_round_trip_and_validation(tmp_path):
     again = load(tmp_path / "p.json", list(plan.groups), ["minmax"])
     assert again == plan and again.int8_groups() == ["blocks.0.attn.qkv_proj"]
     assert again.int8_mac_share() == pytest.approx(100 / 150)
+    # no ort_cpu plan: the ort_cpu graph takes the plain plan's projections; with one, its own
+    assert again.ort_cpu_int8_groups() == ["blocks.0.attn.qkv_proj"]
+    plan.ort_cpu_groups = {"blocks.0.attn.qkv_proj": "float"}
+    plan.save(tmp_path / "p.json")
+    again = load(tmp_path / "p.json", list(plan.groups), ["minmax"])
+    assert again == plan and again.ort_cpu_int8_groups() == []
+    raw = json.loads((tmp_path / "p.json").read_text())
+    raw["ort_cpu_groups"] = {"blocks.9.mlp": "int8"}
+    (tmp_path / "ort.json").write_text(json.dumps(raw))
+    with pytest.raises(PipelineError, match="ort_cpu group.*blocks.9.mlp"):
+        load(tmp_path / "ort.json", list(plan.groups), ["minmax"])
     with pytest.raises(PipelineError, match="not in this model's graph: blocks.0.attn.qkv_proj"):
         load(tmp_path / "p.json", ["blocks.0.attn.context"], ["minmax"])
     raw = json.loads((tmp_path / "p.json").read_text())

@@ -24,8 +24,14 @@ def _f(v: Any, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
+def extra_splits(variants: Sequence[dict]) -> list[str]:
+    """The other splits some variant was read on, in first-seen order."""
+    return list(dict.fromkeys(name for v in variants for name in v.get("splits", {})))
+
+
 def table_rows(variants: Sequence[dict]) -> list[list[str]]:
     rows = []
+    splits = extra_splits(variants)
     for v in variants:
         r = v.get("ratios", {})
         delta = r.get("exact_match_points_vs_reference")
@@ -37,12 +43,16 @@ def table_rows(variants: Sequence[dict]) -> list[list[str]]:
                      _f(v.get("peak_mb"), ".0f"), _f(v["size_mb"], ".1f"),
                      _f(r.get("speedup_p50"), ".2f") + ("x" if r.get("speedup_p50") is not None else ""),
                      _f(r.get("throughput"), ".2f") + ("x" if r.get("throughput") is not None else ""),
-                     _f(r.get("size"), ".2f") + ("x" if r.get("size") is not None else "")])
+                     _f(r.get("size"), ".2f") + ("x" if r.get("size") is not None else "")]
+                    + [_f(v.get("splits", {}).get(name, {}).get(key), ".3f") for name in splits
+                       for key in ("exact_match", "cer")])
     return rows
 
 
 def table(variants: Sequence[dict]) -> str:
-    return markdown_table(HEADER, table_rows(variants))
+    splits = extra_splits(variants)
+    return markdown_table(HEADER + [f"{what} ({name})" for name in splits for what in ("exact match", "CER")],
+                          table_rows(variants))
 
 
 def serving_table(s: dict) -> str:

@@ -34,9 +34,17 @@ class Plan:
     # decoder_step weight nodes -> int8 | float (decoder_first follows: same weights); empty with
     # decoder "int8" = every weight node in 8 bits
     decoder_nodes: dict[str, str] = field(default_factory=dict)
+    # the ort_cpu encoder (attention fused and float: only the projections are groups there) ->
+    # int8 | float, searched on that graph; empty = the projections' precision in `groups`
+    ort_cpu_groups: dict[str, str] = field(default_factory=dict)
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
+
+    def ort_cpu_int8_groups(self) -> list[str]:
+        if self.ort_cpu_groups:
+            return [g for g, p in self.ort_cpu_groups.items() if p == "int8"]
+        return [g for g in self.int8_groups() if self.groups[g].kind == "weights"]
 
     def int8_mac_share(self) -> float:
         total = sum(p.macs for p in self.groups.values())
@@ -88,6 +96,14 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     nodes = raw.get("decoder_nodes") or {}
     if not isinstance(nodes, dict) or any(v not in PRECISIONS for v in nodes.values()):
         raise PipelineError(f"quantize.plan: 'decoder_nodes' must map node names to one of {PRECISIONS}")
+    ort = raw.get("ort_cpu_groups") or {}
+    if not isinstance(ort, dict) or any(v not in PRECISIONS for v in ort.values()):
+        raise PipelineError(f"quantize.plan: 'ort_cpu_groups' must map group names to one of {PRECISIONS}")
+    unknown = sorted(set(ort) - set(known_groups))
+    if unknown:
+        raise PipelineError(f"quantize.plan: {len(unknown)} ort_cpu group(s) not in this model's graph: "
+                            f"{', '.join(unknown[:5])}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
-                decoder_nodes={str(k): str(v) for k, v in nodes.items()})
+                decoder_nodes={str(k): str(v) for k, v in nodes.items()},
+                ort_cpu_groups={str(k): str(v) for k, v in ort.items()})

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ class BenchmarkConfig:
     serve: str = "deployable"        # the package label the serving test runs on (else the first package)
     split: str = "eval"              # corpus split the formulas come from ...
     formulas: Optional[str] = None   # ... or a file, one LaTeX formula per line
+    # more corpus splits the packages also read (exact match and CER only, the table's last columns;
+    # the original model's reading there is its float package's): formulas from sources training never saw
+    extra_splits: List[str] = field(default_factory=lambda: ["shift"])
     eval_limit: Optional[int] = None  # formulas read for exact match / CER; null = all of them
     full_prefix_limit: int = 8       # the full-prefix decoder is slow (2-7 s a formula): its accuracy on the first N
     torch_limit: Optional[int] = 64  # the KV-cached torch model (~2 s a formula at 1 thread) reads the first N;
@@ -79,16 +82,22 @@ def _validate(cfg: BenchmarkConfig) -> None:
             raise PipelineError(f"benchmark.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.warmup < 0:
         raise PipelineError(f"benchmark.warmup must be >= 0, got {cfg.warmup}")
+    if cfg.split in cfg.extra_splits or len(set(cfg.extra_splits)) != len(cfg.extra_splits):
+        raise PipelineError(f"benchmark.extra_splits={list(cfg.extra_splits)}: each split once, and not the "
+                            f"benchmark's own split {cfg.split!r}")
     for key in ("eval_limit", "torch_limit"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise PipelineError(f"benchmark.{key} must be >= 1 or null, got {getattr(cfg, key)}")
 
 
-def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
+def _formulas(cfg: BenchmarkConfig, ctx: StageContext) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
+    """The formulas of the benchmark, those of each extra split (none with a formulas file), input hashes."""
     if cfg.formulas:
         path = Path(cfg.formulas)
-        return [ln for _, ln in files.read_formulas(path, "benchmark.formulas")], {"formulas": file_hash(path)}
-    return [f.latex for f in ctx.split(cfg.split)], {"corpus": ctx.split_hash(cfg.split)}
+        return [ln for _, ln in files.read_formulas(path, "benchmark.formulas")], {}, {"formulas": file_hash(path)}
+    extra = {name: [f.latex for f in ctx.split(name)] for name in cfg.extra_splits}
+    return ([f.latex for f in ctx.split(cfg.split)], extra,
+            {"corpus": ctx.split_hash(cfg.split), **{f"split:{n}": ctx.split_hash(n) for n in extra}})
 
 
 def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) -> tuple[np.ndarray, list[str]]:
@@ -108,7 +117,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     for note in notes:
         log.info(f"[benchmark] {note}")
     max_length = int(ctx.cfg.model.max_length)
-    formulas, inputs = _formulas(cfg, ctx)
+    formulas, extra, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(cfg.model)
     inputs.update({f"package:{label}": file_hash(folder) for label, folder in folders.items()})
     evaluated = _evaluate_note(ctx, cfg.model, max_length)
@@ -120,7 +129,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
         if out.reused:
             log.info(f"[benchmark] unchanged, reused {out.path}")
         else:
-            out.metrics.update(_measure(cfg, ctx, folders, formulas, max_length, notes, out.path))
+            out.metrics.update(_measure(cfg, ctx, folders, formulas, extra, max_length, notes, out.path))
     metrics = out.metrics
     if cfg.summary and ctx.job_tag("benchmark") is not None:  # one job of a sweep: no run summary (the jobs would race)
         log.info("[benchmark] a sweep job writes no artifacts/summary.md; collect the sweep's packages in one "
@@ -133,7 +142,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
 
 
 def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], formulas: list[str],
-             max_length: int, notes: list[str], folder: Path) -> dict:
+             extra: dict[str, list[str]], max_length: int, notes: list[str], folder: Path) -> dict:
     threads = int(cfg.threads)
     torch.set_num_threads(threads)
     clock = [time.perf_counter()]
@@ -186,6 +195,17 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     else:
         lap("accuracy")
     bar.close()
+    other = {}  # split -> label -> reading: the packages only (the torch variants read the main split)
+    for name, split_formulas in extra.items():
+        x_images, x_truths = _render(adapter, split_formulas, cfg.eval_limit, ctx.progress)
+        bar = tqdm(total=len(packages), desc=f"accuracy ({name})", disable=not ctx.progress)
+        other[name] = measure.accuracy_parallel(packages, x_images, x_truths, max_length, cfg.batch_size,
+                                                cfg.workers, bar.update)
+        bar.close()
+    if other:
+        notes.append(f"split(s) {', '.join(other)}: the packages only (exact match and CER); the original model's "
+                     f"reading there is its float package's (token-identical to torch in export's parity check)")
+        lap("other splits")
     reference = reads[variants[1].label] if len(variants) > 1 and variants[1].kind == TORCH_KV else reads[shipped.label]
     for v in variants[:2]:
         if reads[v.label]["n"] < len(truths):
@@ -241,6 +261,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                "exact_match_points_vs_reference": 100 * (_subset_em(r, both) - _subset_em(reference, both)),
                "images_per_s": r["images_per_s"], "timed_n": r.get("timed_n", r["n"]), "batch_size": r["batch_size"],
                "latency": lat[v.label],
+               "splits": {name: {"exact_match": r2[v.label]["exact_match"], "cer": r2[v.label]["cer"],
+                                 "n": r2[v.label]["n"]} for name, r2 in other.items() if v.label in r2},
                "size_mb": v.size_bytes / 2**20, "peak_mb": memory.get(v.label, {}).get("peak_mb"),
                "base_mb": memory.get(v.label, {}).get("base_mb")}
         if v.package is not None:
@@ -260,7 +282,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     metrics = {"shipped": shipped.label, "reference": [v.label for v in variants if reads[v.label] is reference][0],
                "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
                "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
-               "latency_images": lat[shipped.label]["n"], "variants": rows, "serving": serving, "notes": notes,
+               "latency_images": lat[shipped.label]["n"], "extra_splits": list(other), "variants": rows, "serving": serving, "notes": notes,
                "phase_seconds": phases}
     (folder / "benchmark.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(folder / "predictions.jsonl", "w", encoding="utf-8") as f:

@@ -256,13 +256,41 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             for g, x in zip(groups, sens)})
         if not met:
             plan.note = "no plan met the budget: the best found (every group float) is written"
+
+    # 3b. the ort_cpu encoder's own plan, searched on that graph: its attention is fused and float,
+    # so only the projections are groups, and the attention products that cost the plain graph's
+    # plan most of its budget are not there to spend it (same ranking, same budget, same search set)
+    ort_trace: list[dict] = []
+    if given:
+        unknown = sorted(set(plan.ort_cpu_groups) - set(ort_groups))
+        if unknown:
+            raise PipelineError(f"quantize.plan: ort_cpu_groups {', '.join(unknown[:5])} are not projections of the "
+                                f"ort_cpu graph (its attention is fused): known {', '.join(ort_groups)}")
+    else:
+        ort_order = [r.group for r in ranked if r.group in ort_groups]
+
+        def ort_loss_with_float(k: int) -> float:
+            names = ort_order[k:]
+            qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
+                         [ort_groups[n].node for n in names])
+            r = read(package, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
+            loss = float_reading.exact_match - r.exact_match
+            ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
+                              "exact_match": r.exact_match, "cer": r.cer, "loss": loss,
+                              "int8_mac_share": _mac_share(by_name, names)})
+            return loss
+
+        k_ort = _smallest_within(ort_loss_with_float, len(ort_order), cfg.budget, ctx.progress)
+        k_ort = len(ort_order) if k_ort is None else k_ort
+        plan.ort_cpu_groups = {n: ("int8" if i >= k_ort else "float") for i, n in enumerate(ort_order)}
     search_seconds = time.perf_counter() - search_started
 
     # 4. the deliverables: both QDQ encoders from the plan
     int8 = plan.int8_groups()
+    ort_int8 = [n for n in plan.ort_cpu_int8_groups() if n in ort_groups]
     final_std = build(graphs.encoder_std, cache, chosen, int8, folder / QDQ_ENCODER)
     qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_caches[chosen], chosen,
-                 [ort_groups[n].node for n in int8 if n in ort_groups])
+                 [ort_groups[n].node for n in ort_int8])
     final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
     ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
 
@@ -294,7 +322,9 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
         "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
-        "search": plan.measured, "search_trace": trace, "anchors": table,
+        "search": plan.measured, "search_trace": trace, "ort_cpu_search_trace": ort_trace,
+        "ort_cpu_int8_groups": len(ort_int8), "ort_cpu_groups": len(ort_groups),
+        "ort_cpu_int8_mac_share": _mac_share(by_name, set(ort_int8)), "anchors": table,
         "decoder_search_trace": decoder_trace, "decoder_sensitivity": decoder_sens,
         "sensitivity": [{"group": s.group, "only": _num(s.only), "all_but": _num(s.all_but), "gain": _num(s.gain),
                          "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
@@ -441,10 +471,10 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
     max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
     sets = {split: _eval_set(cfg, ctx, adapter, split) for split in cfg.eval_splits}
     images, truths = sets[cfg.eval_splits[0]]
-    int8 = set(plan.int8_groups())
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
         "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
-        "ours (plan, ort_cpu graph)": (folder / QDQ_ENCODER_ORT, _mac_share(by_name, int8 & _weights(by_name)), search_seconds),
+        "ours (plan, ort_cpu graph)": (folder / QDQ_ENCODER_ORT, _mac_share(by_name, set(plan.ort_cpu_int8_groups())),
+                                       search_seconds),
         "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
     }
     decoders = {g: folder / n for g, n in DECODERS.items()} if plan.decoder == "int8" else {}
@@ -483,10 +513,6 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
         if name not in variants:
             rows.append({"variant": name, "note": note})
     return rows
-
-
-def _weights(by_name) -> set[str]:
-    return {n for n, g in by_name.items() if g.kind == "weights"}
 
 
 def _plots(folder: Path, ranked, by_name, metric: str, table: list[dict]) -> None:
@@ -534,15 +560,17 @@ def _pareto(folder: Path, table: list[dict]) -> None:
 
 
 def _write_report(folder: Path, m: dict, plan: Plan) -> None:
+    ort_int8 = set(plan.ort_cpu_int8_groups())
     methods = markdown_table(["method", "exact match", "CER", "encoder SNR dB", "identical tokens vs float",
                               "calibration s"],
                              [[r["method"] + (" **(chosen)**" if r["method"] == m["method"] else ""),
                                f"{r['exact_match']:.3f}", f"{r['cer']:.3f}", f"{r['snr_db']:.1f}",
                                f"{r['identical']:.3f}", r["calibration_s"]] for r in m["methods"]])
     sens = markdown_table(["rank", "group", "kind", "MACs (M)", f"only this INT8 ({m['metric']})",
-                           "all but this INT8", "gain", "plan"],
+                           "all but this INT8", "gain", "plan", "plan (ort_cpu graph)"],
                           [[i + 1, f"`{r['group']}`", r["kind"], f"{r['macs'] / 1e6:.0f}", f"{r['only']:.1f}",
-                            f"{r['all_but']:.1f}", f"{r['gain']:.1f}", plan.groups[r["group"]].precision]
+                            f"{r['all_but']:.1f}", f"{r['gain']:.1f}", plan.groups[r["group"]].precision,
+                            ("int8" if r["group"] in ort_int8 else "float") if r["kind"] == "weights" else "fused, float"]
                            for i, r in enumerate(m["sensitivity"])])
     anchors_rows = []
     others = [sp for sp in next((list(r["splits"]) for r in m["anchors"] if "splits" in r), [])][1:]
@@ -561,11 +589,18 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
                                 "decoder ms/step", "end-to-end ms", "encoder MB", "INT8 share of MatMul MACs",
                                 "search s", "note"], anchors_rows)
     s = m["search"]
-    trace = markdown_table(["groups returned to float", "last returned", "exact match", "loss vs float",
-                            "INT8 MAC share"],
-                           [[t["float_groups"], f"`{t.get('returned')}`" if t.get("returned") else "",
-                             f"{t['exact_match']:.3f}", f"{t['loss']:+.3f}", f"{t.get('int8_mac_share', float('nan')):.2f}"]
-                            for t in m["search_trace"]])
+    def trace_table(rows: list[dict]) -> str:
+        return markdown_table(["groups returned to float", "last returned", "exact match", "loss vs float",
+                               "INT8 MAC share"],
+                              [[t["float_groups"], f"`{t.get('returned')}`" if t.get("returned") else "",
+                                f"{t['exact_match']:.3f}", f"{t['loss']:+.3f}",
+                                f"{t.get('int8_mac_share', float('nan')):.2f}"] for t in rows])
+    trace = trace_table(m["search_trace"])
+    if m.get("ort_cpu_search_trace"):
+        trace += ("\n\nThe ort_cpu graph (attention fused and float; its projections ranked the same way, "
+                  f"searched on that graph): **{m['ort_cpu_int8_groups']} of {m['ort_cpu_groups']} projections "
+                  f"INT8**, {m['ort_cpu_int8_mac_share']:.0%} of the encoder's MatMul MACs.\n\n"
+                  + trace_table(m["ort_cpu_search_trace"]))
     status = "met" if m["met_budget"] else "**NOT met: the best plan found is written, marked as such**"
     n_eval = next((r["n"] for r in m["anchors"] if "n" in r), 0)
     (folder / "report.md").write_text(
@@ -620,5 +655,6 @@ def _print_summary(m: dict) -> None:
                  + "".join(f"; {sp} n={v['n']}: {base['splits'][sp]['exact_match']:.3f} -> {v['exact_match']:.3f}"
                            for sp, v in list(ours.get("splits", {}).items())[1:]))
     log.info(f"[quantize] {m['model']}: {m['method']} ranges, {m['int8_groups']}/{m['groups']} groups INT8 "
-          f"({m['int8_mac_share']:.0%} of MatMul MACs), ort_cpu decoder {m.get('decoder_precision', 'float')}, "
+          f"({m['int8_mac_share']:.0%} of MatMul MACs; ort_cpu graph {m.get('ort_cpu_int8_groups', '?')}/"
+          f"{m.get('ort_cpu_groups', '?')} projections), ort_cpu decoder {m.get('decoder_precision', 'float')}, "
           f"budget {'met' if m['met_budget'] else 'NOT met'}{speed}")
