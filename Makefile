@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Main job on the default model: baseline evaluation on the real eval split, then the built stages.
+# Main job on the default model: the chain (prune, tokenizer, calibrate, quantize, export), then the
+# benchmark of every variant on the eval and shift splits and artifacts/summary.md.
 run: $(STAMP)
 	$(BIN)/python -m pipeline stage=all $(ARGS)
 

@@ -64,9 +64,26 @@ def test_stage_all_runs_distill_only_when_it_is_in_the_chain(monkeypatch, tmp_pa
     ran = []
     for name, spec in list(stages.STAGES.items()):
         monkeypatch.setitem(stages.STAGES, name, replace(spec, run=lambda cfg, ctx, n=name: ran.append(n)))
-    run_stages(compose_cfg(["stage=all", f"artifacts.dir={tmp_path}", f"distill.in_chain={in_chain}"]))
-    want = [n for n in stages.ORDER if in_chain or n != "distill"]
+    run_stages(compose_cfg(["stage=all", f"artifacts.dir={tmp_path}", f"distill.in_chain={in_chain}",
+                            f"eval.in_chain={in_chain}"]))
+    want = [n for n in stages.ORDER if in_chain or n not in ("distill", "evaluate")]
     assert ran == want and ("distill" in ran) == in_chain
+
+
+def test_stage_all_leaves_evaluate_to_the_benchmark_by_default(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from pipeline import stages
+    from pipeline.__main__ import run_stages
+
+    ran = []
+    for name, spec in list(stages.STAGES.items()):
+        monkeypatch.setitem(stages.STAGES, name, replace(spec, run=lambda cfg, ctx, n=name: ran.append(n)))
+    run_stages(compose_cfg(["stage=all", f"artifacts.dir={tmp_path}"]))
+    assert ran == [n for n in stages.ORDER if n not in ("distill", "evaluate")]
+    ran.clear()
+    run_stages(compose_cfg(["stage=evaluate", f"artifacts.dir={tmp_path}"]))  # alone it runs as before
+    assert ran == ["evaluate"]
 
 
 def test_bad_input_in_a_stage_is_one_line(tmp_path):

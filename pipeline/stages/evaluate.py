@@ -42,6 +42,9 @@ class EvalConfig:
     use_cache: bool = True          # KV-cached decoding for the accuracy pass (same tokens, ~5x faster)
     latency_samples: int = 4        # images timed again at batch 1, shipped decoder and KV-cached
     name: Optional[str] = None      # artifact folder; default evaluate[-<model>]
+    # stage=all runs it only when true (conf/stage/all.yaml: off; the benchmark reads the original
+    # model on both splits through its float package, token-identical to torch)
+    in_chain: bool = True
 
 
 Config = EvalConfig
@@ -137,6 +140,7 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
         inputs.update(src.inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
     config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
+    config.pop("in_chain")  # whether stage=all runs it, not what it measures
     with ctx.output(name, config, inputs) as out:
         if out.reused:  # decided on hashes alone: no model loaded, nothing rendered
             log.info(f"[evaluate] unchanged, reused {out.path}")
