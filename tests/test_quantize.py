@@ -265,9 +265,24 @@ def _export(root: Path, *overrides: str) -> dict:
     return export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
 
 
-def test_export_takes_quantize_model_and_int8_encoder_per_target(root, searched):
+def test_export_takes_quantize_model_and_int8_encoder_per_target(root, searched, monkeypatch):
+    from pipeline.export import parity
+
+    references = []  # the torch reading each target's token parity was handed
+    real = parity.token_parity
+
+    def counting(*args, reference=None, **kwargs):
+        references.append(reference)
+        return real(*args, reference=reference, **kwargs)
+
+    monkeypatch.setattr("pipeline.stages.export.token_parity", counting)
     manifests = _export(root, "export.targets=[ort_cpu,metax]")
     assert set(manifests) == {"ort_cpu", "metax"}
+    # one torch decode for both targets of the same model: the second is handed the first's reading
+    assert references[0] is None and references[1] is not None
+    rows = [[json.loads(ln) for ln in (root / f"export-{t}" / "parity_rows.jsonl").read_text().splitlines()]
+            for t in ("ort_cpu", "metax")]
+    assert [r["torch"] for r in rows[0]] == [r["torch"] for r in rows[1]]
     qmanifest = json.loads((searched / "manifest.json").read_text())
     for target, encoder in (("ort_cpu", "encoder.ort_cpu.qdq.onnx"), ("metax", "encoder.qdq.onnx")):
         pkg = root / f"export-{target}"

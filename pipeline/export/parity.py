@@ -8,7 +8,7 @@ exact match against the truth.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -72,16 +72,22 @@ class TokenParity:
     exact_match_torch: float
     exact_match_onnx: float
     rows: list[dict]
+    reference: Any = None     # torch's DecodeResult (reused by the next target of the same model)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "rows"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("rows", "reference")}
 
 
 def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], ids: Sequence[str],
-                 max_length: int, batch_size: int, progress: bool = True) -> TokenParity:
-    bar = tqdm(total=2 * len(images), desc="parity decode (torch, onnx)", disable=not progress)
-    with torch.inference_mode():
-        ref = adapter.generate(images, max_length=max_length, batch_size=batch_size, progress=bar.update)
+                 max_length: int, batch_size: int, progress: bool = True, reference=None) -> TokenParity:
+    """Greedy tokens of torch and of the package on the same images. ``reference``: torch's reading
+    of these images already made (the same model for several targets), else it is decoded here."""
+    bar = tqdm(total=(1 if reference is None else 0) * len(images) + len(images), desc="parity decode (torch, onnx)",
+               disable=not progress)
+    if reference is None:
+        with torch.inference_mode():
+            reference = adapter.generate(images, max_length=max_length, batch_size=batch_size, progress=bar.update)
+    ref = reference
     got = package.generate(images.numpy(), max_length=max_length, batch_size=batch_size, progress=bar.update)
     bar.close()
     rows, same, agree, total = [], 0, 0, 0
@@ -94,7 +100,7 @@ def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], 
         rows.append({"id": fid, "truth": truth, "torch": ta, "onnx": tb, "identical": a == b,
                      "exact_torch": normalize(ta) == normalize(truth), "exact_onnx": normalize(tb) == normalize(truth)})
     n = len(rows)
-    return TokenParity(n=n, identical=same / max(n, 1), token_agreement=agree / max(total, 1),
+    return TokenParity(n=n, identical=same / max(n, 1), token_agreement=agree / max(total, 1), reference=ref,
                        exact_match_torch=float(np.mean([r["exact_torch"] for r in rows])) if n else 0.0,
                        exact_match_onnx=float(np.mean([r["exact_onnx"] for r in rows])) if n else 0.0, rows=rows)
 

@@ -124,21 +124,22 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
+    references: dict = {}  # torch's parity reading per (model, formulas, cap, batch): once for all targets
     if not cfg.targets:
-        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, float_baseline=False), ctx, ctx.cfg.target)}
+        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, float_baseline=False), ctx, ctx.cfg.target, references)}
     else:
         manifests = {}
         for name in cfg.targets:
             one = replace(cfg, targets=[], float_baseline=False, name=f"{cfg.name}-{name}" if cfg.name else None)
-            manifests[name] = _run_one(one, ctx, target_config(name))
+            manifests[name] = _run_one(one, ctx, target_config(name), references)
     if cfg.float_baseline:
         baseline = replace(cfg, model="original", quantized="none", qdq_encoder=None, name=FLOAT_BASELINE,
                            targets=[], float_baseline=False)
-        manifests[FLOAT_BASELINE] = _run_one(baseline, ctx, target_config("ort_cpu"))
+        manifests[FLOAT_BASELINE] = _run_one(baseline, ctx, target_config("ort_cpu"), references)
     return manifests if len(manifests) > 1 else next(iter(manifests.values()))
 
 
-def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
+def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None) -> dict:
     target = resolve_target(tcfg)
     if cfg.parity_images < 1:
         raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
@@ -193,9 +194,12 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg) -> dict:
                 {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tolerance_level": level,
                  "tensors": tensors, "failures": failures}, indent=2) + "\n")
             raise _parity_failed(ctx, out.path, name, target.name, failures)
+        key = (inputs["model"], tuple(x[0] for x in eval_items), max_length, batch_size)
+        references = {} if references is None else references
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress)
+                              progress=ctx.progress, reference=references.get(key))
+        references[key] = tokens.reference
         failures = check_tolerances(tensors, tokens, **tol)
         # engines only for a package that passed parity (a build takes minutes and ships what failed)
         engines = None
