@@ -13,6 +13,25 @@ import matplotlib.pyplot as plt  # noqa: E402
 _PNG_META = {"Software": None}
 
 
+class Phases:
+    """Where a stage's minutes go: ``lap(name)`` adds the seconds since the last lap to ``name``."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._now = time.perf_counter
+        self._last = self._now()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = self._now()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._last, 1)
+        self._last = now
+
+    def line(self) -> str:
+        return ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     def cell(v: Any) -> str:
         return str(v).replace("|", "\\|").replace("\n", " ")

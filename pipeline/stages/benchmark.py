@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
-from pipeline.reports import markdown_table
+from pipeline.reports import Phases, markdown_table
 
 NAME = "benchmark"
 CONFIG_KEY = "benchmark"
@@ -145,13 +144,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
              extra: dict[str, list[str]], max_length: int, notes: list[str], folder: Path) -> dict:
     threads = int(cfg.threads)
     torch.set_num_threads(threads)
-    clock = [time.perf_counter()]
-    phases: dict[str, float] = {}
-
-    def lap(name: str) -> None:  # where the stage's minutes go, reported per phase
-        now = time.perf_counter()
-        phases[name] = round(now - clock[0], 1)
-        clock[0] = now
+    phases = Phases()  # where the stage's minutes go, reported per phase
+    lap = phases.lap
 
     adapter = ctx.load_model(cfg.model)
     images, truths = _render(adapter, formulas, cfg.eval_limit, ctx.progress)
@@ -283,7 +277,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
                "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
                "latency_images": lat[shipped.label]["n"], "extra_splits": list(other), "variants": rows, "serving": serving, "notes": notes,
-               "phase_seconds": phases}
+               "phase_seconds": phases.seconds}
     (folder / "benchmark.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(folder / "predictions.jsonl", "w", encoding="utf-8") as f:
         for i, truth in enumerate(truths):

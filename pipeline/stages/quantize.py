@@ -43,7 +43,7 @@ from pipeline.quantization.groups import find_groups
 from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
 from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan
 from pipeline.quantization.graphs import FloatGraphs, float_graphs
-from pipeline.reports import markdown_table, plt, savefig
+from pipeline.reports import Phases, markdown_table, plt, savefig
 
 NAME = "quantize"
 CONFIG_KEY = "quantize"
@@ -151,12 +151,15 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     scratch = folder / ".work"
     scratch.mkdir()
     started = time.perf_counter()
+    phases = Phases()
+    lap = phases.lap
     graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, ctx.model_hash(model_ref),
                                        threads=int(mcfg.threads or 0))
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
     given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
 
+    lap('float graphs')
     rows = calib_set.with_format("numpy", columns=["pixel_values"])
     search_images = np.asarray(rows[cfg.calib_images:cfg.calib_images + cfg.search_images]["pixel_values"], np.float32)
     search_truths = calib_set[cfg.calib_images:cfg.calib_images + cfg.search_images]["text"]
@@ -173,6 +176,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         qdq.quantize(model, out, cache, method, [by_name[n].node for n in names])
         return out
 
+    lap('float reading of the search set')
     # 1. calibration methods side by side, on the ort_cpu graph with every weight group INT8: the same
     # groups as in the plain graph, but the fused attention leaves ORT's histogram calibrators
     # 16 tensors to watch instead of 32 (the 1024 x 1024 attention maps among them)
@@ -203,6 +207,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     cache = scratch / f"ranges.{chosen}.json"  # the plain graph's ranges, attention products included
     qdq.calibrate(graphs.encoder_std, reader(cfg.calib_images), chosen, cache)
 
+    lap('calibration methods and ranges')
     def memory_with(names) -> np.ndarray:
         return encoder_outputs(package, build(graphs.encoder_std, cache, chosen, names, scratch / "probe.onnx"), sens_images)
 
@@ -217,6 +222,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         all_int8_score, sens = sensitivity.measure([g.name for g in groups], memory_with, ref_memory, score,
                                                    ctx.progress)
     sens_seconds = time.perf_counter() - sens_started
+    lap('sensitivity')
     ranked = sensitivity.ranking(sens)
 
     # 3. the plan: given, or searched
@@ -257,6 +263,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         if not met:
             plan.note = "no plan met the budget: the best found (every group float) is written"
 
+    lap('plan search (plain graph)')
     # 3b. the ort_cpu encoder's own plan, searched on that graph: its attention is fused and float,
     # so only the projections are groups, and the attention products that cost the plain graph's
     # plan most of its budget are not there to spend it (same ranking, same budget, same search set)
@@ -283,6 +290,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         k_ort = _smallest_within(ort_loss_with_float, len(ort_order), cfg.budget, ctx.progress)
         k_ort = len(ort_order) if k_ort is None else k_ort
         plan.ort_cpu_groups = {n: ("int8" if i >= k_ort else "float") for i, n in enumerate(ort_order)}
+    lap('plan search (ort_cpu graph)')
     search_seconds = time.perf_counter() - search_started
 
     # 4. the deliverables: both QDQ encoders from the plan
@@ -294,6 +302,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
     ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
 
+    lap('final encoders and their readings')
     # 4b. the ort_cpu decoder: 8-bit weights node by node, as many as the budget allows with the
     # encoder plan in place (the loss is measured against the package with the float decoder)
     decoder_reading, decoder_trace, decoder_sens = None, [], []
@@ -306,6 +315,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             int(mcfg.threads or 0), ctx.progress)
     else:
         plan.decoder, plan.decoder_nodes = "float", {}
+    lap('decoder plan')
     plan.measured = {
         "search_set": f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(search_truths) - 1}",
         "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
@@ -318,6 +328,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
     # 5. the check on eval formulas, beside the anchors
     table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds)
+    lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
@@ -331,6 +342,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "all_int8_score": _num(all_int8_score), "metric": cfg.metric,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
+        "phase_seconds": phases.seconds,
         "decoder": (f"ort_cpu: {sum(v == 'int8' for v in plan.decoder_nodes.values())} of {len(plan.decoder_nodes)} "
                     f"weight matrices in 8 bits (ORT MatMulNBits, blocks of {qdec.BLOCK}, symmetric), the rest FP32"
                     if plan.decoder == "int8" else "ort_cpu: float (FP32)")
@@ -623,7 +635,9 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
         f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
         f"images interleaved across variants; compare ratios within this run. Seconds: sensitivity "
-        f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}.\n")
+        f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}"
+        + (" (" + ", ".join(f"{k} {v:.0f}" for k, v in m.get("phase_seconds", {}).items()) + ")"
+           if m.get("phase_seconds") else "") + ".\n")
 
 
 def _decoder_section(m: dict) -> str:
