@@ -420,3 +420,22 @@ def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_grap
     with pytest.raises(PipelineError, match="decoder node"):
         _run(root, f"quantize.plan={path}", "quantize.name=quantize-bad-decoder")
     assert not (root / "quantize-bad-decoder").exists()
+
+
+@pytest.mark.parametrize("losses, want", [([0.0, 0.0, 0.0, 0.0], 0),     # everything INT8 fits
+                                          ([0.3, 0.2, 0.004, 0.0], 2),   # two groups back to float
+                                          ([0.3, 0.2, 0.1, 0.0], 3)])    # only the float model fits
+def test_plan_search_never_reads_the_float_model(losses, want):
+    """The binary search's upper end (every group float) is the float model, loss 0 by definition:
+    it is never decoded, so a search costs one read fewer."""
+    from pipeline.stages.quantize import _smallest_within
+
+    asked = []
+
+    def loss(k: int) -> float:
+        asked.append(k)
+        return losses[k]
+
+    n = len(losses) - 1
+    assert _smallest_within(loss, n, 0.005, progress=False) == want
+    assert n not in asked and asked[0] == 0 and len(asked) == len(set(asked))

@@ -228,6 +228,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     # 3. the plan: given, or searched
     search_started = time.perf_counter()
     trace: list[dict] = []
+    std_readings: dict[int, Reading] = {}  # groups returned to float -> the search set's reading
     if given:
         plan = given
         for name in by_name:  # groups the file leaves out stay float
@@ -240,6 +241,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         plan.budget = cfg.budget
         trace.append({"float_groups": len(by_name) - len(int8), "exact_match": r.exact_match, "loss": loss})
         plan.note = f"applied from {cfg.plan}"
+        std_readings[len(by_name) - len(int8)] = r
+        k = len(by_name) - len(int8)
     else:
         order = [r.group for r in ranked]
 
@@ -247,27 +250,28 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             names = [g for g in by_name if g not in set(order[:k])]
             r = read(package, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
                      search_images, search_truths, max_length, batch)
+            std_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             trace.append({"float_groups": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
                           "cer": r.cer, "loss": loss, "int8_mac_share": _mac_share(by_name, names)})
             return loss
 
         k = _smallest_within(loss_with_float, len(order), cfg.budget, ctx.progress)
-        met = k is not None
-        k = len(order) if k is None else k
         float_set = set(order[:k])
-        plan = Plan(method=chosen, budget=cfg.budget, met_budget=met, groups={
+        plan = Plan(method=chosen, budget=cfg.budget, met_budget=True, groups={
             g.name: GroupPlan("float" if g.name in float_set else "int8", g.node, g.kind, g.macs,
                               {"only": _num(x.only), "all_but": _num(x.all_but), "gain": _num(x.gain)})
             for g, x in zip(groups, sens)})
-        if not met:
-            plan.note = "no plan met the budget: the best found (every group float) is written"
+        if k == len(order):
+            plan.note = "every group float: no INT8 group fits the budget on the search set"
 
     lap('plan search (plain graph)')
     # 3b. the ort_cpu encoder's own plan, searched on that graph: its attention is fused and float,
     # so only the projections are groups, and the attention products that cost the plain graph's
     # plan most of its budget are not there to spend it (same ranking, same budget, same search set)
     ort_trace: list[dict] = []
+    ort_readings: dict[int, Reading] = {}
+    k_ort = -1
     if given:
         unknown = sorted(set(plan.ort_cpu_groups) - set(ort_groups))
         if unknown:
@@ -281,6 +285,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
                          [ort_groups[n].node for n in names])
             r = read(package, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
+            ort_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
                               "exact_match": r.exact_match, "cer": r.cer, "loss": loss,
@@ -288,7 +293,6 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             return loss
 
         k_ort = _smallest_within(ort_loss_with_float, len(ort_order), cfg.budget, ctx.progress)
-        k_ort = len(ort_order) if k_ort is None else k_ort
         plan.ort_cpu_groups = {n: ("int8" if i >= k_ort else "float") for i, n in enumerate(ort_order)}
     lap('plan search (ort_cpu graph)')
     search_seconds = time.perf_counter() - search_started
@@ -299,8 +303,10 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     final_std = build(graphs.encoder_std, cache, chosen, int8, folder / QDQ_ENCODER)
     qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_caches[chosen], chosen,
                  [ort_groups[n].node for n in ort_int8])
-    final_reading = read(package, final_std, search_images, search_truths, max_length, batch)
-    ort_reading = read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths, max_length, batch)
+    # the search read these very graphs already (same plan, same images): reuse those readings
+    final_reading = std_readings.get(k) or read(package, final_std, search_images, search_truths, max_length, batch)
+    ort_reading = ort_readings.get(k_ort) or read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths,
+                                                  max_length, batch)
 
     lap('final encoders and their readings')
     # 4b. the ort_cpu decoder: 8-bit weights node by node, as many as the budget allows with the
@@ -312,7 +318,9 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         dec_truths = calib_set[dec_rows]["text"]
         decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
             cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, sens_images, max_length, batch,
-            int(mcfg.threads or 0), ctx.progress)
+            int(mcfg.threads or 0), ctx.progress,
+            # the same rows as the search set: the ort_cpu encoder's reading with the float decoder is made
+            ort_reading if cfg.decoder_search_images == cfg.search_images else None)
     else:
         plan.decoder, plan.decoder_nodes = "float", {}
     lap('decoder plan')
@@ -361,7 +369,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
 def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
                   images: np.ndarray, truths, sens_images: np.ndarray, max_length: int, batch: int, threads: int,
-                  progress: bool) -> tuple[dict, list[dict], list[dict]]:
+                  progress: bool, base: Optional[Reading] = None) -> tuple[dict, list[dict], list[dict]]:
     """Rank the decoder-step weight matrices by the logit SNR each costs alone in 8 bits (recorded
     greedy step inputs), then return the most sensitive to float until the exact-match loss on the
     decoder search set, against the same package with the float decoder, is within the budget.
@@ -384,7 +392,9 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
     def reading(decoders: dict[str, Path]) -> Reading:
         return read(graphs.open_package(threads, decoders), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
 
-    base = read(graphs.open_package(threads), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+    if base is None:
+        base = read(graphs.open_package(threads), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+    readings: dict[tuple, Reading] = {}  # INT8 nodes -> reading
     trace: list[dict] = []
     sens: list[dict] = []
     if given is not None:
@@ -410,16 +420,16 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
 
         def loss_with_float(k: int) -> float:
             int8_now = order[k:]
-            r = reading(made(int8_now, "search"))
+            r = readings[tuple(int8_now)] = reading(made(int8_now, "search"))
             loss = base.exact_match - r.exact_match
             trace.append({"float_nodes": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
                           "cer": r.cer, "loss": loss, "identical": r.identical_to(base)})
             return loss
 
         k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
-        int8 = order[k:] if k is not None else []
+        int8 = order[k:]
     final = made(int8, "final")
-    r = reading(final)
+    r = readings.get(tuple(int8)) or reading(final)  # the search read this very plan already
     plan.decoder = "int8" if int8 else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
     if int8:
@@ -432,17 +442,15 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
              "decoder_nodes": len(step_nodes)}, trace, sens)
 
 
-def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> Optional[int]:
+def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> int:
     """Smallest number of most-sensitive groups returned to float whose loss is within ``budget``;
-    binary search, assuming the loss does not grow as groups return to float. None if even all fail."""
-    bar = tqdm(total=max(1, int(np.ceil(np.log2(n + 1))) + 1), desc="plan search", disable=not progress)
+    binary search, assuming the loss does not grow as groups return to float. Every group float is
+    the float model itself (loss 0 by definition): it is never read, and always within budget."""
+    bar = tqdm(total=max(1, int(np.ceil(np.log2(n + 1)))), desc="plan search", disable=not progress)
     try:
-        if loss_with_float(0) <= budget + 1e-9:
+        if n == 0 or loss_with_float(0) <= budget + 1e-9:
             return 0
-        bar.update()
-        lo, hi = 0, n  # loss(lo) > budget; hi = every group float = the float encoder: loss 0
-        if loss_with_float(n) > budget + 1e-9:
-            return None
+        lo, hi = 0, n  # loss(lo) > budget; loss(hi) = 0
         while hi - lo > 1:
             mid = (lo + hi) // 2
             bar.update()
