@@ -87,3 +87,21 @@ def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_
     meta = json.loads((pkg / "package.json").read_text())
     assert meta["tokenizer"]["kind"] == "bpe" and meta["precision"]["encoder"].startswith("int8 qdq")
     assert (pkg / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()
+
+
+def test_float_baselines_are_the_original_and_the_chain_model(tmp_path, monkeypatch):
+    """``export.float_baseline``: the float ort_cpu package of the original and, when the chain has a
+    model (prune's here), of that model too — what quantization alone changes."""
+    from pipeline.stages import export
+
+    made = []
+    monkeypatch.setattr(export, "_run_one", lambda cfg, ctx, tcfg, refs=None: made.append(
+        (cfg.name, cfg.model, cfg.quantized)) or {})
+    ctx = fake_ctx(tmp_path, ["export.targets=[ort_cpu]", "export.float_baseline=true"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    assert made == [(None, "auto", "auto"), (export.FLOAT_BASELINE, "original", "none")]  # no chain model yet
+    (tmp_path / "prune" / "model").mkdir(parents=True)
+    (tmp_path / "prune" / "model" / "config.json").write_text("{}")
+    made.clear()
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    assert made[1:] == [(export.FLOAT_BASELINE, "original", "none"), (export.FLOAT_CHAIN, "prune", "none")]

@@ -3,7 +3,8 @@
 ``python -m pipeline stage=benchmark`` compares the shipped torch model (full-prefix decoder), the
 same model with the KV cache, and every exported ONNX Runtime package in ``benchmark.packages``
 (label -> package folder or export stage name; by default the packages that exist among
-``export-ort_cpu``, the chain's deployable one, and ``export-ort_cpu-float-original``). For each:
+``export-ort_cpu``, the chain's deployable one, ``export-ort_cpu-float-original`` and
+``export-ort_cpu-float-chain``, the chain's model in float). For each:
 exact match and CER, identical greedy tokens vs the shipped model, p50/p95 latency at batch 1 (images
 interleaved across variants), images/s at batch 8, peak resident memory (a fresh process each), size
 on disk, and the ratio to the shipped model. Plus the serving test (concurrent clients sharing one
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # label -> export stage name: benchmarked when they exist (the float one: stage=export export.model=original
 # export.quantized=none export.name=export-ort_cpu-float-original)
-DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original"}
+DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original",
+                    "float-chain": "export-ort_cpu-float-chain"}
 
 
 @dataclass

@@ -63,7 +63,8 @@ class ExportConfig:
     trt_build: bool = True               # build engines where tensorrt imports
     targets: list[str] = field(default_factory=list)  # several packages in one run (stage=all: every target);
                                          # empty = the `target` group
-    float_baseline: bool = False         # also the float ort_cpu package of the original (stage=all: on)
+    float_baseline: bool = False         # also the float ort_cpu packages of the original and of the chain's
+                                         # model (export-ort_cpu-float-original, -float-chain; stage=all: on)
 
 
 Config = ExportConfig
@@ -116,11 +117,13 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
 
 
 FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
+FLOAT_CHAIN = "export-ort_cpu-float-chain"        # the chain's model (pruned ...) before quantization
 
 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     """One package for the ``target`` group, or one per name in ``export.targets``; with
-    ``export.float_baseline`` also the float ort_cpu package of the original model."""
+    ``export.float_baseline`` also the float ort_cpu packages of the original model and, when the
+    chain has one, of the chain's model (pruned ...)."""
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
@@ -136,6 +139,12 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
         baseline = replace(cfg, model="original", quantized="none", qdq_encoder=None, name=FLOAT_BASELINE,
                            targets=[], float_baseline=False)
         manifests[FLOAT_BASELINE] = _run_one(baseline, ctx, target_config("ort_cpu"), references)
+        chain_model = ctx.chain_model(cfg.model, ctx.chain_upstream())
+        if chain_model != "original":  # what quantization alone changes, beside what pruning changed
+            name = ctx.artifact_name(FLOAT_CHAIN, stage="export")  # a sweep job's own chain model
+            floated = replace(cfg, model=chain_model, quantized="none", qdq_encoder=None, name=name, targets=[],
+                              float_baseline=False)
+            manifests[FLOAT_CHAIN] = _run_one(floated, ctx, target_config("ort_cpu"), references)
     return manifests if len(manifests) > 1 else next(iter(manifests.values()))
 
 
