@@ -269,3 +269,18 @@ def test_extra_split_equal_to_the_main_one_is_one_error(root):
     ctx = fake_ctx(root, [f"benchmark.model={root / 'tiny-model'}", "benchmark.extra_splits=[eval]"])
     with pytest.raises(PipelineError, match="extra_splits"):
         benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)
+
+
+def test_a_reading_split_over_two_session_sets_equals_one(root):
+    """quantize's greedy readings cut the images into runs of whole batches, one per session set,
+    read side by side: the same tokens as one session set reading them all."""
+    from pipeline.adapters.base import load_adapter
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.quantization.measure import read
+
+    adapter = load_adapter("latex_ocr_junia", str(root / "tiny-model"))
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS[:10]]).astype(np.float32)
+    one = read(OnnxPackage(root / "export-ort_cpu", threads=1), None, images, FORMULAS[:10], 8, 4)
+    two = read([OnnxPackage(root / "export-ort_cpu", threads=1) for _ in range(2)], None, images, FORMULAS[:10], 8, 4)
+    assert two.token_ids == one.token_ids and two.exact == one.exact and len(two.token_ids) == 10

@@ -24,6 +24,13 @@ log = logging.getLogger(__name__)
 Decode = Callable[[np.ndarray, int, int], DecodeResult]
 
 
+def _merge(parts: Sequence[DecodeResult]) -> DecodeResult:
+    return DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
+                        encoder_seconds=sum(p.encoder_seconds for p in parts),
+                        decoder_seconds=sum(p.decoder_seconds for p in parts),
+                        steps=[s for p in parts for s in p.steps], hit_cap=[h for p in parts for h in p.hit_cap])
+
+
 def _decode_chunks(variant: Variant, images: np.ndarray, max_length: int, batch_size: int,
                    chunk: int) -> DecodeResult:
     """``variant.decode`` over ``chunk``-image slices (a multiple of the batch), checking between
@@ -33,18 +40,10 @@ def _decode_chunks(variant: Variant, images: np.ndarray, max_length: int, batch_
     for start in range(0, len(images), chunk):
         interrupts.check(f"during {variant.label}'s accuracy pass")
         parts.append(variant.decode(images[start:start + chunk], max_length, batch_size))
-    return DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
-                        encoder_seconds=sum(p.encoder_seconds for p in parts),
-                        decoder_seconds=sum(p.decoder_seconds for p in parts),
-                        steps=[s for p in parts for s in p.steps], hit_cap=[h for p in parts for h in p.hit_cap])
+    return _merge(parts)
 
 
-def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_length: int,
-             batch_size: int, chunk: int = 64) -> dict:
-    """One batched greedy pass: exact match, corpus CER, images/s at ``batch_size``, the tokens."""
-    t0 = time.perf_counter()
-    result = _decode_chunks(variant, images, max_length, batch_size, chunk)
-    seconds = time.perf_counter() - t0
+def _scored(result: DecodeResult, truths: Sequence[str], seconds: float, batch_size: int) -> dict:
     exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
     return {"n": len(truths), "exact_match": float(np.mean(exact)) if exact else 0.0,
             "cer": corpus_cer(result.texts, list(truths)), "images_per_s": len(truths) / seconds,
@@ -55,25 +54,48 @@ def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_le
             "decoder_ms_per_formula": 1000 * result.decoder_seconds / max(1, len(truths))}
 
 
+def accuracy(variant: Variant, images: np.ndarray, truths: Sequence[str], max_length: int,
+             batch_size: int, chunk: int = 64) -> dict:
+    """One batched greedy pass: exact match, corpus CER, images/s at ``batch_size``, the tokens."""
+    t0 = time.perf_counter()
+    result = _decode_chunks(variant, images, max_length, batch_size, chunk)
+    return _scored(result, truths, time.perf_counter() - t0, batch_size)
+
+
 def accuracy_parallel(variants: Sequence[Variant], images: np.ndarray, truths: Sequence[str], max_length: int,
                       batch_size: int, workers: int, progress: Callable[[int], None] | None = None) -> dict[str, dict]:
-    """:func:`accuracy` of each variant, ``workers`` of them at a time (threads: ONNX Runtime and
-    torch release the GIL while they compute, and each variant runs its own intra-op threads), so a
-    2-core machine reads two packages at once. Their wall-clock figures then share the machine:
-    :func:`timing` measures them again, quietly."""
-    out: dict[str, dict] = {}
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = {pool.submit(accuracy, v, images, truths, max_length, batch_size): v.label for v in variants}
+    """:func:`accuracy` of each variant on ``workers`` threads: each variant's images are cut into
+    ``workers`` runs of whole batches (the batches a single pass decodes), and the (variant, run) jobs
+    share the threads, so three packages keep two cores busy to the end. ONNX Runtime and torch
+    release the GIL while they compute; a session serves concurrent runs. Their wall-clock figures
+    then share the machine: :func:`timing` measures them again, quietly."""
+    workers = max(1, workers)
+    batches = -(-len(images) // batch_size)
+    per = max(1, -(-batches // workers)) * batch_size
+    runs = [(i, min(i + per, len(images))) for i in range(0, len(images), per)] or [(0, 0)]
+    parts: dict[tuple[str, int], tuple[DecodeResult, float]] = {}
+
+    def job(v: Variant, lo: int, hi: int) -> tuple[DecodeResult, float]:
+        t0 = time.perf_counter()
+        return _decode_chunks(v, images[lo:hi], max_length, batch_size, 64), time.perf_counter() - t0
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(job, v, lo, hi): (v.label, lo) for v in variants for lo, hi in runs}
         try:
             for future in as_completed(futures):
-                out[futures[future]] = future.result()
-                if progress is not None:
+                parts[futures[future]] = future.result()
+                label = futures[future][0]
+                if progress is not None and sum(k[0] == label for k in parts) == len(runs):
                     progress(1)
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
-    return {v.label: out[v.label] for v in variants}
+    out = {}
+    for v in variants:
+        mine = [parts[(v.label, lo)] for lo, _ in runs]
+        out[v.label] = _scored(_merge([r for r, _ in mine]), truths, sum(t for _, t in mine), batch_size)
+    return out
 
 
 def timing(variant: Variant, images: np.ndarray, max_length: int, batch_size: int) -> dict:

@@ -31,6 +31,14 @@ class FloatGraphs:
             package.use_graph(name, path)
         return package
 
+    def open_readers(self, threads: int, workers: int, graphs: dict[str, Path] | None = None) -> list[OnnxPackage]:
+        """Session sets a reading is split over (:func:`pipeline.quantization.measure.read`): ``workers``
+        of them with one intra-op thread each (two single-threaded sessions on two cores read more
+        images a second than one session with two threads), or one with ``threads``."""
+        if workers <= 1:
+            return [self.open_package(threads, graphs)]
+        return [self.open_package(1, graphs) for _ in range(workers)]
+
 
 def ort_cpu_target():
     """The ``ort_cpu`` target with its default settings (conf/target/ort_cpu.yaml)."""

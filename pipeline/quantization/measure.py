@@ -3,12 +3,14 @@ decoder (ONNX Runtime), exact match and CER against the truth, identical tokens 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from pipeline.adapters.base import DecodeResult
 from pipeline.export.runtime import OnnxPackage
 from pipeline.metrics import corpus_cer, normalize
 
@@ -31,12 +33,28 @@ class Reading:
         return float(np.mean([a == b for a, b in zip(self.token_ids, other.token_ids)])) if self.token_ids else 0.0
 
 
-def read(package: OnnxPackage, encoder: Path | None, images: np.ndarray, truths: Sequence[str],
-         max_length: int, batch_size: int) -> Reading:
-    """Decode ``images`` with ``encoder`` (None: the package's own) and the package's decoder."""
+def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, images: np.ndarray,
+         truths: Sequence[str], max_length: int, batch_size: int) -> Reading:
+    """Decode ``images`` with ``encoder`` (None: the package's own) and the package's decoder.
+
+    Several packages (session sets of the same graphs): the images are cut into as many runs of whole
+    batches, read side by side in threads (ONNX Runtime releases the GIL), so every batch is the one
+    a single package would have decoded."""
+    packages = [package] if isinstance(package, OnnxPackage) else list(package)
     if encoder is not None:
-        package.use_graph("encoder", encoder)
-    result = package.generate(images, max_length=max_length, batch_size=batch_size)
+        for pkg in packages:
+            pkg.use_graph("encoder", encoder)
+    batches = -(-len(images) // batch_size)
+    per = -(-batches // len(packages)) * batch_size
+    cuts = [(i, min(i + per, len(images))) for i in range(0, len(images), per)] or [(0, 0)]
+    if len(cuts) == 1:
+        parts = [packages[0].generate(images, max_length=max_length, batch_size=batch_size)]
+    else:
+        with ThreadPoolExecutor(max_workers=len(cuts)) as pool:
+            parts = list(pool.map(lambda job: job[0].generate(images[job[1][0]:job[1][1]], max_length=max_length,
+                                                               batch_size=batch_size), zip(packages, cuts)))
+    result = DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
+                          steps=[n for p in parts for n in p.steps])
     exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
     return Reading(result.token_ids, result.texts, exact, corpus_cer(result.texts, list(truths)), result.steps)
 

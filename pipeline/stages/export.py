@@ -174,7 +174,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
     with ctx.output(name, config, inputs) as out:
         if out.reused:
             log.info(f"[export] unchanged, reused {out.path}")
-            _print_summary(out.metrics)
+            _print_summary(out.metrics, name, model_ref)
             return out.manifest
         bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
         built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update(), inputs["model"],
@@ -231,7 +231,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
             raise _parity_failed(ctx, out.path, name, target.name, failures)
         out.metrics.update(metrics)
     shutil.rmtree(_failed_folder(ctx, name), ignore_errors=True)  # a stale report of an earlier failure
-    _print_summary(metrics)
+    _print_summary(metrics, name, model_ref)
     return out.manifest
 
 
@@ -277,10 +277,10 @@ def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
     return {"built": True, "engines": results, "commands": "build_engines.sh"}
 
 
-def _print_summary(m: dict) -> None:
+def _print_summary(m: dict, name: str, model_ref: str) -> None:
     t = m["tokens"]
     worst_cos = min(s["cosine"] for s in m["tensors"].values())
     worst_snr = min(s["snr_db"] for s in m["tensors"].values())
-    log.info(f"[export] {m['target']}: identical greedy tokens {t['identical']:.3f} of {t['n']} "
+    log.info(f"[export] {name} (model {model_ref}): identical greedy tokens {t['identical']:.3f} of {t['n']} "
              f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
              f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB")

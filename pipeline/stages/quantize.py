@@ -72,6 +72,8 @@ class QuantizeConfig:
     plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
     eval_limit: int = 64              # formulas of each split for the final check and the anchors
     eval_splits: list[str] = field(default_factory=lambda: ["eval", "shift"])  # the first one: latency, identical tokens
+    workers: int = 2                  # session sets a search-set reading is split over, 1 thread each
+                                      # (1: one session set with model.threads)
     decoder: bool = True              # ort_cpu decoder weights in 8 bits, node by node, as the budget allows
     decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
@@ -84,7 +86,7 @@ Config = QuantizeConfig
 
 def _validate(cfg: QuantizeConfig) -> None:
     for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images",
-                "decoder_search_images"):
+                "decoder_search_images", "workers"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"quantize.{key} must be >= 1, got {getattr(cfg, key)}")
     if not 0.0 <= cfg.budget < 1.0:
@@ -164,8 +166,9 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     search_images = np.asarray(rows[cfg.calib_images:cfg.calib_images + cfg.search_images]["pixel_values"], np.float32)
     search_truths = calib_set[cfg.calib_images:cfg.calib_images + cfg.search_images]["text"]
     sens_images = search_images[:cfg.sensitivity_images]
-    package = graphs.package
-    float_reading = read(package, graphs.encoder_std, search_images, search_truths, max_length, batch)
+    package = graphs.package  # encoder outputs (sensitivity)
+    readers = graphs.open_readers(int(mcfg.threads or 0), cfg.workers)  # greedy readings of the search set
+    float_reading = read(readers, graphs.encoder_std, search_images, search_truths, max_length, batch)
     ref_memory = encoder_outputs(package, graphs.encoder_std, sens_images)
     score = sensitivity.metric(cfg.metric)
 
@@ -193,7 +196,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         variant = scratch / f"enc.{method}.onnx"
         qdq.quantize(graphs.encoder_ort, variant, ort_caches[method], method,
                      [g.node for g in ort_groups.values() if g.kind == "weights"])
-        r = read(package, variant, search_images, search_truths, max_length, batch)
+        r = read(readers, variant, search_images, search_truths, max_length, batch)
         method_rows.append({"method": method, "exact_match": r.exact_match, "cer": r.cer,
                             "snr_db": sensitivity.SNR().score(ref_memory, encoder_outputs(package, variant, sens_images)),
                             "identical": r.identical_to(float_reading), "calibration_s": round(seconds, 1)})
@@ -234,7 +237,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         for name in by_name:  # groups the file leaves out stay float
             plan.groups.setdefault(name, GroupPlan("float", by_name[name].node, by_name[name].kind, by_name[name].macs))
         int8 = plan.int8_groups()
-        r = read(package, build(graphs.encoder_std, cache, chosen, int8, scratch / "plan.onnx"),
+        r = read(readers, build(graphs.encoder_std, cache, chosen, int8, scratch / "plan.onnx"),
                  search_images, search_truths, max_length, batch)
         loss = float_reading.exact_match - r.exact_match
         plan.met_budget = loss <= cfg.budget + 1e-9
@@ -248,7 +251,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
         def loss_with_float(k: int) -> float:
             names = [g for g in by_name if g not in set(order[:k])]
-            r = read(package, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
+            r = read(readers, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
                      search_images, search_truths, max_length, batch)
             std_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
@@ -284,7 +287,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             names = ort_order[k:]
             qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
                          [ort_groups[n].node for n in names])
-            r = read(package, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
+            r = read(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
             ort_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
@@ -304,8 +307,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_caches[chosen], chosen,
                  [ort_groups[n].node for n in ort_int8])
     # the search read these very graphs already (same plan, same images): reuse those readings
-    final_reading = std_readings.get(k) or read(package, final_std, search_images, search_truths, max_length, batch)
-    ort_reading = ort_readings.get(k_ort) or read(package, folder / QDQ_ENCODER_ORT, search_images, search_truths,
+    final_reading = std_readings.get(k) or read(readers, final_std, search_images, search_truths, max_length, batch)
+    ort_reading = ort_readings.get(k_ort) or read(readers, folder / QDQ_ENCODER_ORT, search_images, search_truths,
                                                   max_length, batch)
 
     lap('final encoders and their readings')
@@ -390,10 +393,12 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         return out
 
     def reading(decoders: dict[str, Path]) -> Reading:
-        return read(graphs.open_package(threads, decoders), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+        return read(graphs.open_readers(threads, cfg.workers, decoders), folder / QDQ_ENCODER_ORT, images, truths,
+                    max_length, batch)
 
     if base is None:
-        base = read(graphs.open_package(threads), folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+        base = read(graphs.open_readers(threads, cfg.workers), folder / QDQ_ENCODER_ORT, images, truths, max_length,
+                    batch)
     readings: dict[tuple, Reading] = {}  # INT8 nodes -> reading
     trace: list[dict] = []
     sens: list[dict] = []
@@ -498,8 +503,9 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
         "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
     }
     decoders = {g: folder / n for g, n in DECODERS.items()} if plan.decoder == "int8" else {}
-    packages = {name: graphs.open_package(int(ctx.cfg.model.threads or 0), decoders if name.startswith("ours (plan, ort")
-                                          else None) for name in variants}
+    packages = {name: graphs.open_readers(int(ctx.cfg.model.threads or 0), cfg.workers,
+                                          decoders if name.startswith("ours (plan, ort") else None) for name in variants}
+    float_readers = graphs.open_readers(int(ctx.cfg.model.threads or 0), cfg.workers)
     notes: dict[str, str] = {}
     if cfg.anchors:
         for name, (path, share, secs, note) in anchors.build_all(graphs, scratch, calib_set, cfg.calib_images,
@@ -508,7 +514,7 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
                 notes[name] = note
                 continue
             variants[name] = (path, share, secs)
-            packages[name] = graphs.package
+            packages[name] = float_readers
             if note:
                 notes[name] = note
     readings: dict[str, dict[str, Reading]] = {}
