@@ -439,3 +439,14 @@ def test_plan_search_never_reads_the_float_model(losses, want):
     n = len(losses) - 1
     assert _smallest_within(loss, n, 0.005, progress=False) == want
     assert n not in asked and asked[0] == 0 and len(asked) == len(set(asked))
+
+
+def test_check_off_leaves_the_plan_and_graphs_and_says_so(root, searched):
+    """quantize.check=false (stage=all): the same plan and graphs, no eval check, no Pareto plot."""
+    _run(root, "quantize.check=false", "quantize.name=quantize-nocheck")
+    out = root / "quantize-nocheck"
+    metrics = json.loads((out / "quantize.json").read_text())
+    assert metrics["anchors"] == [] and not (out / "pareto.png").exists()
+    assert "Off (`quantize.check=false`" in (out / "report.md").read_text()
+    for name in ("plan.json", "encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
+        assert (out / name).read_bytes() == (searched / name).read_bytes(), name

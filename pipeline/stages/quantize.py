@@ -76,6 +76,8 @@ class QuantizeConfig:
                                       # (1: one session set with model.threads)
     decoder: bool = True              # ort_cpu decoder weights in 8 bits, node by node, as the budget allows
     decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
+    check: bool = True                # float vs ours on eval_limit formulas of each split, with latency (stage=all:
+                                      # off; export's parity and the benchmark read the packages there)
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
     name: Optional[str] = None        # artifact folder; default "quantize" (+ the job's tag in a multirun)
@@ -338,7 +340,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     plan.save(folder / "plan.json")
 
     # 5. the check on eval formulas, beside the anchors
-    table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds)
+    table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds) \
+        if cfg.check or cfg.anchors else []
     lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
@@ -575,6 +578,8 @@ def _plots(folder: Path, ranked, by_name, metric: str, table: list[dict]) -> Non
 
 def _pareto(folder: Path, table: list[dict]) -> None:
     rows = [r for r in table if "total_ms" in r]
+    if not rows:  # quantize.check=false: nothing timed here
+        return
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in rows:
         ax.scatter(r["total_ms"], r["exact_match"], s=40)
@@ -645,10 +650,13 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
         f"all groups INT8: {m['all_int8_score']:.1f})\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
         f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n{trace}\n\n"
-        f"## Check on {n_eval} eval formulas (and as many of each other split: the shift split holds formulas "
-        f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
-        f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
-        f"images interleaved across variants; compare ratios within this run. Seconds: sensitivity "
+        + (f"## Check on {n_eval} eval formulas (and as many of each other split: the shift split holds formulas "
+           f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
+           f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
+           f"images interleaved across variants; compare ratios within this run. " if m["anchors"] else
+           "## Check\n\nOff (`quantize.check=false`, as in `stage=all`): export's parity check and the benchmark "
+           "read the packages built from these graphs. ")
+        + f"Seconds: sensitivity "
         f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}"
         + (" (" + ", ".join(f"{k} {v:.0f}" for k, v in m.get("phase_seconds", {}).items()) + ")"
            if m.get("phase_seconds") else "") + ".\n")
