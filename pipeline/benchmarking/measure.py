@@ -17,6 +17,7 @@ import numpy as np
 from pipeline.adapters.base import DecodeResult
 from pipeline import interrupts
 from pipeline.benchmarking.variants import Variant
+from pipeline.export.runtime import batch_runs
 from pipeline.errors import PipelineError
 from pipeline.metrics import corpus_cer, normalize
 
@@ -70,9 +71,7 @@ def accuracy_parallel(variants: Sequence[Variant], images: np.ndarray, truths: S
     release the GIL while they compute; a session serves concurrent runs. Their wall-clock figures
     then share the machine: :func:`timing` measures them again, quietly."""
     workers = max(1, workers)
-    batches = -(-len(images) // batch_size)
-    per = max(1, -(-batches // workers)) * batch_size
-    runs = [(i, min(i + per, len(images))) for i in range(0, len(images), per)] or [(0, 0)]
+    runs = batch_runs(len(images), batch_size, workers)
     parts: dict[tuple[str, int], tuple[DecodeResult, float]] = {}
 
     def job(v: Variant, lo: int, hi: int) -> tuple[DecodeResult, float]:

@@ -65,6 +65,14 @@ def package_tokenizer(path: Path):
     return BpeTokenizer.from_file(path) if is_bpe_file(path) else CharTokenizer(path)
 
 
+def batch_runs(n: int, batch_size: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` images cut into at most ``parts`` contiguous runs of whole batches: decoding the runs
+    side by side decodes the very batches one pass over all ``n`` would (the same tokens)."""
+    batches = -(-n // batch_size)
+    per = max(1, -(-batches // max(1, parts))) * batch_size
+    return [(i, min(i + per, n)) for i in range(0, n, per)] or [(0, 0)]
+
+
 class OnnxPackage:
     """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON."""
 

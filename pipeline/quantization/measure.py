@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.adapters.base import DecodeResult
-from pipeline.export.runtime import OnnxPackage
+from pipeline.export.runtime import OnnxPackage, batch_runs
 from pipeline.metrics import corpus_cer, normalize
 
 
@@ -44,9 +44,7 @@ def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, ima
     if encoder is not None:
         for pkg in packages:
             pkg.use_graph("encoder", encoder)
-    batches = -(-len(images) // batch_size)
-    per = -(-batches // len(packages)) * batch_size
-    cuts = [(i, min(i + per, len(images))) for i in range(0, len(images), per)] or [(0, 0)]
+    cuts = batch_runs(len(images), batch_size, len(packages))
     if len(cuts) == 1:
         parts = [packages[0].generate(images, max_length=max_length, batch_size=batch_size)]
     else:
