@@ -64,8 +64,8 @@ class BenchmarkConfig:
     threads: int = 1                 # torch and ONNX Runtime intra-op threads (same for every variant)
     clients: int = 4                 # serving test: concurrent clients ...
     requests: int = 8                # ... each sending this many batch-1 requests
-    workers: int = 2                 # packages reading the split at once (threads, each with `threads` intra-op
-                                     # threads); > 1: images/s and ms per formula from a quiet second pass ...
+    workers: int = 2                 # threads the packages' passes share (each package's images cut into this many
+                                     # runs of whole batches); > 1: images/s and ms per formula from a quiet pass ...
     timing_images: int = 64          # ... on the first N images, one package at a time
     memory: bool = True              # peak resident memory, one fresh process per variant
     memory_images: int = 8           # images that process reads (one batch)
