@@ -79,11 +79,9 @@ class StageContext:
                             f"{self.artifacts_dir}, not a saved model folder")
 
     # ---- sweeps --------------------------------------------------------------------------------
-    def job_tag(self, stage: str) -> str | None:
+    def job_overrides(self, stage: str) -> list[str] | None:
         """In a Hydra multirun job: the job's overrides of ``stage`` and of the model-chain stages
-        before it (:data:`JOB_SCOPED`; ``*.name`` left out), as a folder-name suffix, so the jobs of a
-        sweep never overwrite each other and a later sweep with the same upstream overrides finds its
-        jobs' folders; the job's number when it overrides none of those keys. None outside a multirun."""
+        before it (:data:`JOB_SCOPED`; ``*.name`` left out), swept keys first; None outside a multirun."""
         try:
             from hydra.core.hydra_config import HydraConfig
             from hydra.types import RunMode
@@ -99,10 +97,21 @@ class StageContext:
             key = o.split("=", 1)[0].lstrip("+~")
             if key.split(".")[0] in scope and not key.endswith(".name"):
                 own.append(o.lstrip("+~"))
+        swept = _swept_keys(Path(hc.sweep.dir)) if own else set()  # first, so a shortened tag still says what differs
+        return sorted(own, key=lambda o: (o.split("=", 1)[0] not in swept, o))
+
+    def job_tag(self, stage: str) -> str | None:
+        """The multirun job's :meth:`job_overrides` of ``stage`` as a folder-name suffix, so the jobs of
+        a sweep never overwrite each other and a later sweep with the same upstream overrides finds
+        its jobs' folders; the job's number when it overrides none of those keys. None outside a
+        multirun."""
+        own = self.job_overrides(stage)
+        if own is None:
+            return None
         if not own:  # a sweep over other keys (seed=0,1): the job's number keeps the jobs apart
-            return str(hc.job.num)
-        swept = _swept_keys(Path(hc.sweep.dir))  # first, so a shortened tag still says what differs
-        own = sorted(own, key=lambda o: (o.split("=", 1)[0] not in swept, o))
+            from hydra.core.hydra_config import HydraConfig
+
+            return str(HydraConfig.get().job.num)
         tag = re.sub(r"[^A-Za-z0-9_.,=+-]", "_", ",".join(own))
         if len(tag) > 100:  # long override lists: a readable prefix + a hash of all of them, never a clash
             tag = f"{tag[:90]}-{sha256_json(tag)[:8]}"
@@ -119,9 +128,25 @@ class StageContext:
     def stage_folder(self, name: str, stage: str | None = None) -> Path:
         """Where the artifact ``name`` of ``stage`` is for this run: the sweep job's own when it exists
         (a job of ``-m stage=export prune.num_heads=4,8`` finds ``prune-prune.num_heads=4``), else the
-        shared one."""
+        shared one, unless the job overrides keys it was made with (:meth:`_no_fallback`)."""
         own = self.artifacts_dir / self.artifact_name(name, stage=stage or name)
-        return own if (own / "manifest.json").is_file() else self.artifacts_dir / name
+        if (own / "manifest.json").is_file() or own.name == name:
+            return own
+        shared = self.artifacts_dir / name
+        if (shared / "manifest.json").is_file():
+            self._no_fallback(stage or name, own, shared)
+        return shared
+
+    def _no_fallback(self, stage: str, own: Path, shared: Path | None) -> None:
+        """A sweep job that overrides keys of ``stage`` (or of the chain before it) and finds no
+        artifact of its own must not take the shared one (made without those overrides), nor the
+        original model: its folders would be named for settings they were not made with."""
+        overrides = self.job_overrides(stage)
+        if overrides:
+            took = f"the shared {shared.name!r} was made without them" if shared is not None else \
+                "without it the job would take an earlier model than its own"
+            raise PipelineError(f"this sweep job overrides {', '.join(overrides)} but {own} does not exist ({took}); "
+                                f"sweep the stages before it with the same overrides first, or sweep stage=all")
 
     def chain_upstream(self) -> tuple[str, ...]:
         """The stages whose model the chain hands on, in order: prune, then distill's BPE decoder
@@ -131,14 +156,41 @@ class StageContext:
 
     def chain_model(self, ref: str, upstream: tuple[str, ...] = ("prune",)) -> str:
         """``auto``: the last stage of ``upstream`` whose model artifact exists (the chain hands its
-        model over), else ``original``; any other reference is returned as it is."""
+        model over; a sweep job's own first), else ``original``; any other reference is returned as
+        it is. A sweep job that overrides an upstream stage's keys needs that stage's own artifact."""
         if ref != "auto":
             return ref
+
+        def has_model(name: str) -> bool:
+            return (self.artifacts_dir / name / MODEL_SUBDIR / "config.json").is_file()
+
         for stage in reversed(upstream):
-            for name in dict.fromkeys((self.artifact_name(stage), stage)):  # the sweep job's own first
-                if (self.artifacts_dir / name / MODEL_SUBDIR / "config.json").is_file():
-                    return name
+            own = self.artifact_name(stage)
+            if has_model(own):
+                return own
+            if own != stage:
+                self._no_fallback(stage, self.artifacts_dir / own, self.artifacts_dir / stage if has_model(stage) else None)
+            if has_model(stage):
+                return stage
         return "original"
+
+    def chain_origin(self, ref: str) -> str:
+        """The model the chain's model ``ref`` was made from, followed back through the manifests of
+        the stages that made it (prune's ``model``, distill's ``model_ref``): what the baselines call
+        the original. A model no stage under the artifacts made is its own origin."""
+        seen = set()
+        while ref not in ORIGINAL and ref not in seen:
+            seen.add(ref)
+            folder = self.artifacts_dir / ref
+            if not (folder / MODEL_SUBDIR / "config.json").is_file():
+                return ref  # a model folder of the user's
+            config = read_manifest(folder).get("config", {})
+            upstream = config.get("model_ref") or config.get("model")
+            if not isinstance(upstream, str) or upstream == "auto":
+                raise PipelineError(f"{folder}/manifest.json does not say which model {ref!r} was made from; "
+                                    f"rerun its stage")
+            ref = upstream
+        return ref
 
     def load_model(self, ref: str = "original") -> ModelAdapter:
         folder = self.model_folder(ref)

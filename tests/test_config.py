@@ -148,6 +148,7 @@ def test_a_non_editable_install_finds_its_conf(tmp_path):
                     "--no-index", "--target", str(target), str(src)], check=True, capture_output=True, timeout=300)
     assert (target / "pipeline" / "conf" / "config.yaml").is_file()
     assert (target / "pipeline" / "conf" / "hydra" / "job_logging" / "pipeline.yaml").is_file()
+    assert (target / "pipeline" / "distillation" / "train.py").is_file()
     proc = subprocess.run([sys.executable, "-m", "pipeline", "stage=evaluate", "model.batch_size=0",
                            f"artifacts.dir={tmp_path / 'a'}"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(target)}, timeout=300)
