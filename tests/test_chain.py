@@ -19,11 +19,11 @@ CHAIN = ["model.max_length=8", "model.batch_size=4",
          "export.min_identical=0"]
 
 
-def _chain(root, original):
+def _chain(root, original, extra=()):
     from pipeline.stages import export, prune, quantize
 
     (root / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
-    ctx = fake_ctx(root, [f"prune.model={original}", f"export.formulas={root / 'formulas.txt'}", *CHAIN])
+    ctx = fake_ctx(root, [f"prune.model={original}", f"export.formulas={root / 'formulas.txt'}", *CHAIN, *extra])
     return {name: mod.run(OmegaConf.to_object(ctx.cfg[key]), ctx)
             for name, mod, key in (("prune", prune, "prune"), ("quantize", quantize, "quantize"),
                                    ("export", export, "export"))}
@@ -46,7 +46,8 @@ def _tiny_with_calib_set(root):
 
 def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path):
     original, adapter = _tiny_with_calib_set(tmp_path)
-    first = _chain(tmp_path, original)
+    baselines = ["quantize.original=true", "export.baselines=true"]  # stage=all's settings
+    first = _chain(tmp_path, original, baselines)
     assert first["quantize"]["config"]["model_ref"] == "prune"  # quantize.model=auto took prune's model
     pruned_heads = json.loads((tmp_path / "prune" / "model" / "config.json").read_text())["encoder_heads"]
     assert sum(pruned_heads) == sum(adapter.encoder_head_counts()) - 2
@@ -57,10 +58,28 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path)
     assert manifest["inputs"]["qdq_encoder"] == first["quantize"]["outputs"]["encoder.ort_cpu.qdq.onnx"]
     assert json.loads((pkg / "package.json").read_text())["precision"]["encoder"].startswith("int8 qdq")
 
-    again = _chain(tmp_path, original)
+    # quantize.original: the model prune started from, with the chain's plan; export.baselines packages it
+    applied = json.loads((tmp_path / "quantize-original" / "manifest.json").read_text())
+    assert applied["config"]["model_ref"] == str(original) and applied["config"]["plan"].endswith("quantize/plan.json")
+    plans = [json.loads((tmp_path / q / "plan.json").read_text()) for q in ("quantize", "quantize-original")]
+    assert [{g: p["precision"] for g, p in plan["groups"].items()} for plan in plans][0] == \
+        {g: p["precision"] for g, p in plans[1]["groups"].items()}
+    assert plans[0]["ort_cpu_groups"] == plans[1]["ort_cpu_groups"] and plans[1]["note"].startswith("applied from")
+    int8 = json.loads((tmp_path / "export-ort_cpu-int8-original" / "manifest.json").read_text())
+    assert int8["config"]["model_ref"] == str(original)
+    assert int8["inputs"]["qdq_encoder"] == applied["outputs"]["encoder.ort_cpu.qdq.onnx"]
+    floats = {n: json.loads((tmp_path / f"export-ort_cpu-float-{n}" / "manifest.json").read_text())["config"]["model_ref"]
+              for n in ("original", "chain")}
+    assert floats == {"original": str(original), "chain": "prune"}
+    assert set(first["export"]) == {"ort_cpu", "export-ort_cpu-float-original", "export-ort_cpu-float-chain",
+                                    "export-ort_cpu-int8-original"}
+
+    again = _chain(tmp_path, original, baselines)
     for stage in ("prune", "quantize"):
         assert again[stage]["key"] == first[stage]["key"], stage
-    assert again["export"]["key"] == first["export"]["key"] == manifest["key"]  # one target: its manifest
+    assert json.loads((tmp_path / "quantize-original" / "manifest.json").read_text())["key"] == applied["key"]
+    assert {n: m["key"] for n, m in again["export"].items()} == {n: m["key"] for n, m in first["export"].items()}
+    assert first["export"]["ort_cpu"]["key"] == manifest["key"]
 
 
 def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_path):
@@ -89,19 +108,26 @@ def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_
     assert (pkg / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer" / "tokenizer.json").read_bytes()
 
 
-def test_float_baselines_are_the_original_and_the_chain_model(tmp_path, monkeypatch):
-    """``export.float_baseline``: the float ort_cpu package of the original and, when the chain has a
-    model (prune's here), of that model too — what quantization alone changes."""
+def test_baselines_are_the_original_and_the_chain_model_in_float_and_the_original_with_the_plan(tmp_path, monkeypatch):
+    """``export.baselines``: the float ort_cpu package of the original (the model prune started from)
+    and, when the chain has a model (prune's here), that model in float and, when quantize wrote
+    it, the original model quantized with the chain's plan."""
     from pipeline.stages import export
 
     made = []
     monkeypatch.setattr(export, "_run_one", lambda cfg, ctx, tcfg, refs=None: made.append(
         (cfg.name, cfg.model, cfg.quantized)) or {})
-    ctx = fake_ctx(tmp_path, ["export.targets=[ort_cpu]", "export.float_baseline=true"])
+    ctx = fake_ctx(tmp_path, ["export.targets=[ort_cpu]", "export.baselines=true"])
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     assert made == [(None, "auto", "auto"), (export.FLOAT_BASELINE, "original", "none")]  # no chain model yet
     (tmp_path / "prune" / "model").mkdir(parents=True)
     (tmp_path / "prune" / "model" / "config.json").write_text("{}")
+    (tmp_path / "prune" / "manifest.json").write_text(json.dumps({"config": {"model": "my-model"}}))
     made.clear()
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
-    assert made[1:] == [(export.FLOAT_BASELINE, "original", "none"), (export.FLOAT_CHAIN, "prune", "none")]
+    assert made[1:] == [(export.FLOAT_BASELINE, "my-model", "none"), (export.FLOAT_CHAIN, "prune", "none")]
+    (tmp_path / export.QUANTIZE_ORIGINAL).mkdir()
+    (tmp_path / export.QUANTIZE_ORIGINAL / "manifest.json").write_text("{}")
+    made.clear()
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    assert made[3:] == [(export.INT8_ORIGINAL, "my-model", str(tmp_path / export.QUANTIZE_ORIGINAL))]

@@ -3,8 +3,9 @@
 ``python -m pipeline stage=benchmark`` compares the shipped torch model (full-prefix decoder), the
 same model with the KV cache, and every exported ONNX Runtime package in ``benchmark.packages``
 (label -> package folder or export stage name; by default the packages that exist among
-``export-ort_cpu``, the chain's deployable one, ``export-ort_cpu-float-original`` and
-``export-ort_cpu-float-chain``, the chain's model in float). For each:
+``export-ort_cpu``, the chain's deployable one, ``export-ort_cpu-float-original``,
+``export-ort_cpu-float-chain``, the chain's model in float, and ``export-ort_cpu-int8-original``, the
+original model quantized with the chain's plan). For each:
 exact match and CER, identical greedy tokens vs the shipped model, p50/p95 latency at batch 1 (images
 interleaved across variants), images/s at batch 8, peak resident memory (a fresh process each), size
 on disk, and the ratio to the shipped model. Plus the serving test (concurrent clients sharing one
@@ -37,10 +38,12 @@ NAME = "benchmark"
 CONFIG_KEY = "benchmark"
 log = logging.getLogger(__name__)
 
-# label -> export stage name: benchmarked when they exist (the float one: stage=export export.model=original
-# export.quantized=none export.name=export-ort_cpu-float-original)
+# label -> export stage name: benchmarked when they exist (all but the first: export.baselines=true). The
+# deployable package and the chain's baselines are a sweep job's own (name + the job's tag); the
+# original model in float is one for every job
 DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original",
-                    "float-chain": "export-ort_cpu-float-chain"}
+                    "float-chain": "export-ort_cpu-float-chain", "int8-original": "export-ort_cpu-int8-original"}
+SHARED_PACKAGES = ("float-original",)
 
 
 @dataclass
@@ -109,10 +112,20 @@ def _render(adapter, formulas: list[str], limit: Optional[int], progress: bool) 
     return np.stack([t for _, _, t in items]).astype(np.float32), [latex for _, latex, _ in items]
 
 
+def _default_folder(ctx: StageContext, label: str, ref: str) -> Path:
+    """Where a default package is for this run: a sweep job that overrides chain keys reads its own
+    or none (a missing default is skipped), never a shared one made without its overrides."""
+    if label in SHARED_PACKAGES:
+        return ctx.artifacts_dir / ref
+    own = ctx.artifacts_dir / ctx.artifact_name(ref, stage="export")
+    return own if (own / "manifest.json").is_file() or ctx.job_overrides("export") else ctx.artifacts_dir / ref
+
+
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     _validate(cfg)
-    # a sweep job's own deployable package when it has one (export-ort_cpu-<job tag>)
-    defaults = {label: str(ctx.stage_folder(ref, stage="export")) for label, ref in DEFAULT_PACKAGES.items()} \
+    # a sweep job's own packages (export-ort_cpu-<job tag>); outside a sweep, or for a job that overrides
+    # no chain key, the shared ones
+    defaults = {label: str(_default_folder(ctx, label, ref)) for label, ref in DEFAULT_PACKAGES.items()} \
         if cfg.default_packages else {}
     folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir)
     for note in notes:

@@ -63,8 +63,10 @@ class ExportConfig:
     trt_build: bool = True               # build engines where tensorrt imports
     targets: list[str] = field(default_factory=list)  # several packages in one run (stage=all: every target);
                                          # empty = the `target` group
-    float_baseline: bool = False         # also the float ort_cpu packages of the original and of the chain's
-                                         # model (export-ort_cpu-float-original, -float-chain; stage=all: on)
+    baselines: bool = False              # also the ort_cpu packages the benchmark sets beside the chain's: the
+                                         # original and the chain's model in float (export-ort_cpu-float-original,
+                                         # -float-chain), the original with the chain's plan (-int8-original, from
+                                         # quantize.original's artifact when it exists); stage=all: on
 
 
 Config = ExportConfig
@@ -118,34 +120,48 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
 
 FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
 FLOAT_CHAIN = "export-ort_cpu-float-chain"        # the chain's model (pruned ...) before quantization
+INT8_ORIGINAL = "export-ort_cpu-int8-original"    # the original model quantized with the chain's plan
+QUANTIZE_ORIGINAL = "quantize-original"           # where stage quantize writes that (quantize.original)
 
 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     """One package for the ``target`` group, or one per name in ``export.targets``; with
-    ``export.float_baseline`` also the float ort_cpu packages of the original model and, when the
-    chain has one, of the chain's model (pruned ...)."""
+    ``export.baselines`` also the ort_cpu packages the benchmark compares them with."""
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
     references: dict = {}  # torch's parity reading per (model, formulas, cap, batch): once for all targets
     if not cfg.targets:
-        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, float_baseline=False), ctx, ctx.cfg.target, references)}
+        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, baselines=False), ctx, ctx.cfg.target, references)}
     else:
         manifests = {}
         for name in cfg.targets:
-            one = replace(cfg, targets=[], float_baseline=False, name=f"{cfg.name}-{name}" if cfg.name else None)
+            one = replace(cfg, targets=[], baselines=False, name=f"{cfg.name}-{name}" if cfg.name else None)
             manifests[name] = _run_one(one, ctx, target_config(name), references)
-    if cfg.float_baseline:
-        baseline = replace(cfg, model="original", quantized="none", qdq_encoder=None, name=FLOAT_BASELINE,
-                           targets=[], float_baseline=False)
-        manifests[FLOAT_BASELINE] = _run_one(baseline, ctx, target_config("ort_cpu"), references)
-        chain_model = ctx.chain_model(cfg.model, ctx.chain_upstream())
-        if chain_model != "original":  # what quantization alone changes, beside what pruning changed
-            name = ctx.artifact_name(FLOAT_CHAIN, stage="export")  # a sweep job's own chain model
-            floated = replace(cfg, model=chain_model, quantized="none", qdq_encoder=None, name=name, targets=[],
-                              float_baseline=False)
-            manifests[FLOAT_CHAIN] = _run_one(floated, ctx, target_config("ort_cpu"), references)
+    if cfg.baselines:
+        manifests.update(_baselines(cfg, ctx, references))
     return manifests if len(manifests) > 1 else next(iter(manifests.values()))
+
+
+def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
+    """The float ort_cpu package of the original model (the one the chain's model was made from);
+    when the chain has a model of its own (pruned ...), that model in float (what quantization alone
+    changes) and, when stage quantize wrote it (``quantize.original``), the original model with the
+    chain's plan (what pruning adds)."""
+    def one(model: str, quantized: str, name: str) -> dict:
+        return _run_one(replace(cfg, model=model, quantized=quantized, qdq_encoder=None, name=name, targets=[],
+                                baselines=False), ctx, target_config("ort_cpu"), references)
+
+    chain_model = ctx.chain_model(cfg.model, ctx.chain_upstream())
+    origin = ctx.chain_origin(chain_model)  # the model prune started from: the shipped one by default
+    made = {FLOAT_BASELINE: one(origin, "none", FLOAT_BASELINE)}
+    if chain_model != origin:
+        made[FLOAT_CHAIN] = one(chain_model, "none", ctx.artifact_name(FLOAT_CHAIN, stage="export"))
+        # this job's own (a sweep job's name carries its tag): a shared one was made with another plan
+        quantized = ctx.artifacts_dir / ctx.artifact_name(QUANTIZE_ORIGINAL, stage="quantize")
+        if (quantized / "manifest.json").is_file():
+            made[INT8_ORIGINAL] = one(origin, str(quantized), ctx.artifact_name(INT8_ORIGINAL, stage="export"))
+    return made
 
 
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None) -> dict:
@@ -169,7 +185,9 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         inputs["qdq_encoder"] = file_hash(qdq_path)
     for g, path in int8_decoders.items():
         inputs[f"int8_{g}"] = file_hash(path)
-    config = {**asdict(cfg), "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
+    # one package: which others the run also makes (targets, baselines) is not part of its config
+    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines")},
+              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
               "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
         if out.reused:

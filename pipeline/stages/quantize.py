@@ -24,7 +24,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -80,6 +80,11 @@ class QuantizeConfig:
                                       # off; export's parity and the benchmark read the packages there)
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
+    # also the original model's graphs with this plan applied, no search (artifact quantize-original;
+    # export.baselines packages it): what quantization does without pruning, beside the chain's model.
+    # stage=all: on. Its plan check reads the first original_search_images rows of the search set
+    original: bool = False
+    original_search_images: int = 64
     name: Optional[str] = None        # artifact folder; default "quantize" (+ the job's tag in a multirun)
 
 
@@ -88,7 +93,7 @@ Config = QuantizeConfig
 
 def _validate(cfg: QuantizeConfig) -> None:
     for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images",
-                "decoder_search_images", "workers"):
+                "decoder_search_images", "workers", "original_search_images"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"quantize.{key} must be >= 1, got {getattr(cfg, key)}")
     if not 0.0 <= cfg.budget < 1.0:
@@ -111,8 +116,29 @@ def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
                         f"run stage=calibrate first")
 
 
+QUANTIZE_ORIGINAL = "quantize-original"  # the original model with the chain model's plan (quantize.original)
+
+
 def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
+    """The chain model's plan and graphs; with ``quantize.original`` (and a chain model that a stage
+    made) also the graphs of the model it was made from, with that plan applied."""
     _validate(cfg)
+    manifest = _run_one(cfg, ctx)
+    if not cfg.original or ctx.chain_origin(manifest["config"]["model_ref"]) == manifest["config"]["model_ref"]:
+        return manifest
+    plan = ctx.artifacts_dir / ctx.artifact_name("quantize", cfg.name) / "plan.json"
+    name = f"{cfg.name}-original" if cfg.name else ctx.artifact_name(QUANTIZE_ORIGINAL, stage="quantize")
+    origin = ctx.chain_origin(manifest["config"]["model_ref"])
+    applied = replace(cfg, model=origin, plan=str(plan), original=False, name=name, check=False, anchors=False,
+                      search_images=min(cfg.search_images, cfg.original_search_images),
+                      decoder_search_images=min(cfg.decoder_search_images, cfg.original_search_images))
+    log.info(f"[quantize] {origin}, the model {manifest['config']['model_ref']} was made from, with its plan "
+             f"(quantize.original)")
+    _run_one(applied, ctx)
+    return manifest
+
+
+def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     model_ref = ctx.chain_model(cfg.model, ctx.chain_upstream())
     calib_folder = _calib_folder(cfg, ctx)
     calib_set = load_calib_set(calib_folder)
@@ -129,7 +155,9 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     if cfg.plan:
         inputs["plan"] = file_hash(Path(cfg.plan)) if Path(cfg.plan).is_file() else "missing"
     mcfg = ctx.cfg.model
-    config = {**asdict(cfg), "model_ref": model_ref, "max_length": int(mcfg.max_length),
+    # quantize.original makes another artifact: switching it must not redo this one
+    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")},
+              "model_ref": model_ref, "max_length": int(mcfg.max_length),
               "batch_size": int(mcfg.batch_size)}
     log.info(f"[quantize] model: {model_ref}"
              + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""))
@@ -188,6 +216,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     ort_groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort)))}
     ort_caches: dict[str, Path] = {}
     method_rows = []
+    method_readings: dict[str, Reading] = {}  # the ort_cpu graph, every projection INT8, per method
 
     def calibrate_ort(method: str) -> float:
         ort_caches[method] = scratch / f"ranges.ort_cpu.{method}.json"
@@ -198,7 +227,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         variant = scratch / f"enc.{method}.onnx"
         qdq.quantize(graphs.encoder_ort, variant, ort_caches[method], method,
                      [g.node for g in ort_groups.values() if g.kind == "weights"])
-        r = read(readers, variant, search_images, search_truths, max_length, batch)
+        r = method_readings[method] = read(readers, variant, search_images, search_truths, max_length, batch)
         method_rows.append({"method": method, "exact_match": r.exact_match, "cer": r.cer,
                             "snr_db": sensitivity.SNR().score(ref_memory, encoder_outputs(package, variant, sens_images)),
                             "identical": r.identical_to(float_reading), "calibration_s": round(seconds, 1)})
@@ -287,9 +316,12 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
         def ort_loss_with_float(k: int) -> float:
             names = ort_order[k:]
-            qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
-                         [ort_groups[n].node for n in names])
-            r = read(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
+            if chosen in method_readings and set(names) == {n for n, g in ort_groups.items() if g.kind == "weights"}:
+                r = method_readings[chosen]  # the method comparison read this very graph (same ranges, same set)
+            else:
+                qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
+                             [ort_groups[n].node for n in names])
+                r = read(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
             ort_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
@@ -367,9 +399,12 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     _plots(folder, ranked, by_name, cfg.metric, table)
     _write_report(folder, metrics, plan)
     shutil.rmtree(scratch)
-    if not plan.met_budget:
+    if not plan.met_budget and given:
+        log.warning(f"[quantize] the plan from {cfg.plan} loses {trace[0]['loss']:.1%} exact match on the search set "
+                    f"(TensorRT/Metax graph), over the budget of {cfg.budget:.1%}; written as given, marked as such")
+    elif not plan.met_budget:
         log.warning(f"[quantize] no plan met the budget of {cfg.budget:.3f} exact-match loss; "
-              f"the best found is written to plan.json, marked as such")
+                    f"the best found is written to plan.json, marked as such")
     return metrics
 
 
