@@ -44,10 +44,17 @@ def _tiny_with_calib_set(root):
     return original, adapter
 
 
-def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path):
+def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path, monkeypatch):
+    from pipeline.stages import export
+
     original, adapter = _tiny_with_calib_set(tmp_path)
     baselines = ["quantize.original=true", "export.baselines=true"]  # stage=all's settings
+    decoded = []  # models whose torch parity reading was decoded (not handed over from another package)
+    real = export.token_parity
+    monkeypatch.setattr(export, "token_parity", lambda adapter, *a, reference=None, **k: (
+        decoded.append(adapter) if reference is None else None) or real(adapter, *a, reference=reference, **k))
     first = _chain(tmp_path, original, baselines)
+    assert len(decoded) == 2  # the pruned model's reading serves its float package, the original's its INT8 one
     assert first["quantize"]["config"]["model_ref"] == "prune"  # quantize.model=auto took prune's model
     pruned_heads = json.loads((tmp_path / "prune" / "model" / "config.json").read_text())["encoder_heads"]
     assert sum(pruned_heads) == sum(adapter.encoder_head_counts()) - 2
@@ -65,6 +72,7 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path)
     assert [{g: p["precision"] for g, p in plan["groups"].items()} for plan in plans][0] == \
         {g: p["precision"] for g, p in plans[1]["groups"].items()}
     assert plans[0]["ort_cpu_groups"] == plans[1]["ort_cpu_groups"] and plans[1]["note"].startswith("applied from")
+    assert "plan applied from" in (tmp_path / "quantize-original" / "report.md").read_text()
     int8 = json.loads((tmp_path / "export-ort_cpu-int8-original" / "manifest.json").read_text())
     assert int8["config"]["model_ref"] == str(original)
     assert int8["inputs"]["qdq_encoder"] == applied["outputs"]["encoder.ort_cpu.qdq.onnx"]
@@ -131,3 +139,18 @@ def test_baselines_are_the_original_and_the_chain_model_in_float_and_the_origina
     made.clear()
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     assert made[3:] == [(export.INT8_ORIGINAL, "my-model", str(tmp_path / export.QUANTIZE_ORIGINAL))]
+
+
+def test_a_shorter_parity_reading_is_the_first_whole_batches_of_a_longer_one():
+    from pipeline.adapters.base import DecodeResult
+    from pipeline.stages.export import _reference
+
+    ref = DecodeResult([[1], [2], [3], [4]], ["a", "b", "c", "d"], 1.0, 2.0, [1, 1, 1, 1], [False] * 4)
+    refs = {("m", ("f1", "f2", "f3", "f4"), 8, 2): ref}
+    short = _reference(refs, ("m", ("f1", "f2"), 8, 2), 2)
+    assert short.token_ids == [[1], [2]] and short.texts == ["a", "b"] and short.steps == [1, 1]
+    assert _reference(refs, ("m", ("f1", "f2", "f3", "f4"), 8, 2), 2) is ref
+    assert _reference(refs, ("m", ("f1",), 8, 2), 2) is None            # not whole batches: batch 1 differs
+    assert _reference(refs, ("m", ("f2", "f3"), 8, 2), 2) is None       # not the first formulas
+    assert _reference(refs, ("other", ("f1", "f2"), 8, 2), 2) is None   # another model
+    assert _reference(refs, ("m", ("f1", "f2"), 16, 2), 2) is None      # another cap

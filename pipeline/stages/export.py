@@ -55,6 +55,8 @@ class ExportConfig:
     formulas: Optional[str] = None       # parity formulas from a file (one per line) instead of calib/eval
     parity_images: int = 8               # calibration images for the tensor parity
     parity_limit: Optional[int] = 64     # eval formulas greedily decoded by torch and ONNX; null = whole split
+    baseline_parity_limit: Optional[int] = None  # the same for the baselines' packages; null = parity_limit
+                                         # (stage=all: 16; the benchmark reads them against torch on 64)
     min_cosine: Optional[float] = None   # tolerances; null = the default for the package's precision
     min_snr_db: Optional[float] = None
     min_identical: Optional[float] = None  # share of formulas with identical greedy tokens
@@ -148,9 +150,11 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
     when the chain has a model of its own (pruned ...), that model in float (what quantization alone
     changes) and, when stage quantize wrote it (``quantize.original``), the original model with the
     chain's plan (what pruning adds)."""
+    limit = cfg.parity_limit if cfg.baseline_parity_limit is None else cfg.baseline_parity_limit
+
     def one(model: str, quantized: str, name: str) -> dict:
         return _run_one(replace(cfg, model=model, quantized=quantized, qdq_encoder=None, name=name, targets=[],
-                                baselines=False), ctx, target_config("ort_cpu"), references)
+                                baselines=False, parity_limit=limit), ctx, target_config("ort_cpu"), references)
 
     chain_model = ctx.chain_model(cfg.model, ctx.chain_upstream())
     origin = ctx.chain_origin(chain_model)  # the model prune started from: the shipped one by default
@@ -162,6 +166,23 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
         if (quantized / "manifest.json").is_file():
             made[INT8_ORIGINAL] = one(origin, str(quantized), ctx.artifact_name(INT8_ORIGINAL, stage="export"))
     return made
+
+
+def _reference(references: dict, key: tuple, batch_size: int):
+    """Torch's parity reading for ``key`` (model, formula ids, cap, batch) when this run made it, or
+    the first rows of a longer one of the same model that starts with the same formulas in whole
+    batches (each batch is decoded on its own, so its rows are the same); else None."""
+    if key in references:
+        return references[key]
+    model, ids, cap, batch = key
+    if len(ids) % batch_size:
+        return None
+    for (m, longer, c, b), ref in references.items():
+        if (m, c, b) == (model, cap, batch) and longer[:len(ids)] == ids:
+            n = len(ids)
+            return replace(ref, token_ids=ref.token_ids[:n], texts=ref.texts[:n], steps=ref.steps[:n],
+                           hit_cap=ref.hit_cap[:n])
+    return None
 
 
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None) -> dict:
@@ -186,7 +207,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
     for g, path in int8_decoders.items():
         inputs[f"int8_{g}"] = file_hash(path)
     # one package: which others the run also makes (targets, baselines) is not part of its config
-    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines")},
+    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines", "baseline_parity_limit")},
               "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
               "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
@@ -225,7 +246,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         references = {} if references is None else references
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress, reference=references.get(key))
+                              progress=ctx.progress, reference=_reference(references, key, batch_size))
         references[key] = tokens.reference
         failures = check_tolerances(tensors, tokens, **tol)
         # engines only for a package that passed parity (a build takes minutes and ships what failed)

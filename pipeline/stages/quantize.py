@@ -377,6 +377,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
+        "applied_plan": cfg.plan,
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
         "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
         "search": plan.measured, "search_trace": trace, "ort_cpu_search_trace": ort_trace,
@@ -667,7 +668,14 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
                   f"searched on that graph): **{m['ort_cpu_int8_groups']} of {m['ort_cpu_groups']} projections "
                   f"INT8**, {m['ort_cpu_int8_mac_share']:.0%} of the encoder's MatMul MACs.\n\n"
                   + trace_table(m["ort_cpu_search_trace"]))
-    status = "met" if m["met_budget"] else "**NOT met: the best plan found is written, marked as such**"
+    applied = m.get("applied_plan")
+    if applied:
+        status = (f"met by the plan applied from `{applied}` (no search)" if m["met_budget"] else
+                  f"**NOT met by the plan applied from `{applied}`** (no search: written as given, marked as such)")
+    else:
+        status = "met" if m["met_budget"] else "**NOT met: the best plan found is written, marked as such**"
+    if not m["methods"]:
+        methods = f"Not compared: the plan's method, {m['method']}."
     n_eval = next((r["n"] for r in m["anchors"] if "n" in r), 0)
     (folder / "report.md").write_text(
         f"# Quantization: {m['model']}\n\n"
@@ -683,7 +691,9 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\nSmoothQuant: not run "
         f"(ONNX Runtime's needs `neural-compressor`, not a dependency here).\n\n"
         f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
-        f"all groups INT8: {m['all_int8_score']:.1f})\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
+        f"all groups INT8: {m['all_int8_score']:.1f})"
+        + (f": the numbers the plan file carries, measured on the model it was made for" if applied else "")
+        + f"\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
         f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n{trace}\n\n"
         + (f"## Check on {n_eval} eval formulas (and as many of each other split: the shift split holds formulas "
            f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
