@@ -147,6 +147,29 @@ def test_the_ort_cpu_graph_has_its_own_plan_over_its_projections(root, searched,
     assert json.loads((out / "plan.json").read_text())["ort_cpu_groups"][floated] == "float"
 
 
+def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, searched):
+    """quantize.smoothquant: the graphs are made from the smoothed copy (LayerNorm scales differ from
+    those of another alpha, the default 0.8), the plan records alpha, and applying that plan folds the
+    same alpha in again: the same QDQ graphs."""
+    assert json.loads((searched / "plan.json").read_text())["smoothquant"] == 0.8  # the default
+    _run(root, "quantize.smoothquant=0.5", "quantize.methods=[minmax]", "quantize.name=quantize-sq")
+    out = root / "quantize-sq"
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["smoothquant"] == 0.5
+    metrics = json.loads((out / "quantize.json").read_text())
+    assert metrics["smoothquant"] == 0.5 and "encoder_blocks.0.attn.qkv_proj" in metrics["smoothing"]
+    assert "SmoothQuant: alpha 0.5 folded" in (out / "report.md").read_text()
+    _run(root, f"quantize.plan={out / 'plan.json'}", "quantize.smoothquant=null", "quantize.name=quantize-sq-applied")
+    again = root / "quantize-sq-applied"
+    assert json.loads((again / "plan.json").read_text())["smoothquant"] == 0.5
+    for name in ("encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+    plain = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(searched / "encoder.qdq.onnx")).graph.initializer}
+    smooth = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out / "encoder.qdq.onnx")).graph.initializer}
+    ln = [n for n in plain if "norm1" in n and n in smooth]
+    assert ln and any(not np.allclose(plain[n], smooth[n]) for n in ln)
+
+
 def test_plan_round_trip_and_validation(tmp_path):
     from pipeline.quantization.plan import GroupPlan, Plan, load
 
@@ -234,6 +257,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.budget=1.5", "quantize.budget must be in [0, 1)"),
     ("quantize.methods=[minmax,histogram]", "quantize.methods: unknown ['histogram']"),
     ("quantize.calib_images=0", "quantize.calib_images must be >= 1"),
+    ("quantize.smoothquant=1.5", "quantize.smoothquant must be in (0, 1]"),
 ])
 def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)

@@ -224,6 +224,12 @@ class ModelAdapter(abc.ABC):
     def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
         """Physically remove heads (original indices within the *current* layer) in place."""
 
+    def smoothing_pairs(self) -> list:
+        """SmoothQuant's places (:mod:`pipeline.quantization.smooth`): each encoder module whose output
+        channels are the input channels of some projections, with those projections. None by default
+        (stage quantize then refuses ``quantize.smoothquant``)."""
+        return []
+
     def encoder_module(self) -> nn.Module:
         """The image -> memory part, as a module (for FLOP counting and export)."""
         return EncoderModule(self).eval()

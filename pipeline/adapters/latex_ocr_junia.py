@@ -287,6 +287,19 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             if remove:
                 remove_heads(self.encoder_attention(int(layer)), remove)
 
+    def smoothing_pairs(self) -> list:
+        """Pre-LN blocks: norm1 feeds q/k/v, norm2 the first MLP projection, v_proj's output rows the
+        output projection (the second MLP projection reads GELU's output: nothing linear to fold into)."""
+        from pipeline.quantization.smooth import SmoothPair
+
+        pairs = []
+        for i, block in enumerate(self.model.encoder_blocks):
+            a, p = block.attn, f"encoder_blocks.{i}"
+            pairs += [SmoothPair(f"{p}.attn.qkv_proj", block.norm1, (a.q_proj, a.k_proj, a.v_proj)),
+                      SmoothPair(f"{p}.mlp.mlp.0", block.norm2, (block.mlp[0],)),
+                      SmoothPair(f"{p}.attn.out_proj", a.v_proj, (a.out_proj,))]
+        return pairs
+
 
 def build_model_reference(model_config: Any) -> torch.nn.Module:
     """The package's own model, unmodified (``nn.MultiheadAttention`` inside)."""

@@ -37,6 +37,7 @@ class Plan:
     # the ort_cpu encoder (attention fused and float: only the projections are groups there) ->
     # int8 | float, searched on that graph; empty = the projections' precision in `groups`
     ort_cpu_groups: dict[str, str] = field(default_factory=dict)
+    smoothquant: float | None = None  # SmoothQuant alpha folded into the model before its graphs (None: off)
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -104,6 +105,26 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
         raise PipelineError(f"quantize.plan: {len(unknown)} ort_cpu group(s) not in this model's graph: "
                             f"{', '.join(unknown[:5])}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
+                smoothquant=_alpha(raw.get("smoothquant"), path),
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
                 decoder_nodes={str(k): str(v) for k, v in nodes.items()},
                 ort_cpu_groups={str(k): str(v) for k, v in ort.items()})
+
+
+def _alpha(value: Any, path: Path) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+        raise PipelineError(f"quantize.plan: {path}: 'smoothquant' must be null or a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+def smoothquant_of(path: str | Path) -> float | None:
+    """The SmoothQuant alpha a plan file was made with (read before its groups can be checked: the
+    groups belong to the graphs made with it)."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # load() names what is wrong with the file
+    return _alpha(raw.get("smoothquant"), path) if isinstance(raw, dict) else None

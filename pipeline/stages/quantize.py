@@ -41,7 +41,7 @@ from pipeline.quantization import anchors, qdq
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.groups import find_groups
 from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
-from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan
+from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan, smoothquant_of as plan_smoothquant
 from pipeline.quantization.graphs import FloatGraphs, float_graphs
 from pipeline.reports import Phases, markdown_table, plt, savefig
 
@@ -80,6 +80,11 @@ class QuantizeConfig:
                                       # off; export's parity and the benchmark read the packages there)
     anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
+    # SmoothQuant alpha (pipeline/quantization/smooth.py): folded into a copy of the model, from the
+    # activations of the calib_images rows, before its graphs are exported; null = off. A plan file
+    # carries its own (quantize.plan wins). 0.8: every ort_cpu projection INT8 read the search set as
+    # the float model does (0.5: -0.8 point, off: -1.6), docs/quantize.md
+    smoothquant: Optional[float] = 0.8
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: on. Its plan check reads the first original_search_images rows of the search set
@@ -104,6 +109,8 @@ def _validate(cfg: QuantizeConfig) -> None:
     if cfg.method != "auto" and cfg.method not in METHODS:
         raise PipelineError(f"quantize.method={cfg.method!r}; known: auto, {', '.join(METHODS)}")
     sensitivity.metric(cfg.metric)
+    if cfg.smoothquant is not None and not 0.0 < cfg.smoothquant <= 1.0:
+        raise PipelineError(f"quantize.smoothquant must be in (0, 1] (SmoothQuant's alpha) or null, got {cfg.smoothquant}")
     if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
         raise PipelineError(f"quantize.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
 
@@ -185,8 +192,13 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     started = time.perf_counter()
     phases = Phases()
     lap = phases.lap
-    graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, ctx.model_hash(model_ref),
-                                       threads=int(mcfg.threads or 0))
+    alpha = plan_smoothquant(cfg.plan) if cfg.plan else cfg.smoothquant
+    graph_key = ctx.model_hash(model_ref)
+    smoothing: dict = {}
+    if alpha is not None:  # the chain's model stays as it is: only the graphs made here are smoothed
+        adapter, smoothing = _smoothed(adapter, calib_set, cfg.calib_images, alpha)
+        graph_key += f":smoothquant={alpha}:{file_hash_of_rows(calib_set, cfg.calib_images)}"
+    graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, graph_key, threads=int(mcfg.threads or 0))
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
     given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
@@ -369,6 +381,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
         **(decoder_reading or {}),
     }
+    plan.smoothquant = alpha
     plan.save(folder / "plan.json")
 
     # 5. the check on eval formulas, beside the anchors
@@ -386,7 +399,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "decoder_search_trace": decoder_trace, "decoder_sensitivity": decoder_sens,
         "sensitivity": [{"group": s.group, "only": _num(s.only), "all_but": _num(s.all_but), "gain": _num(s.gain),
                          "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
-        "all_int8_score": _num(all_int8_score), "metric": cfg.metric,
+        "all_int8_score": _num(all_int8_score), "metric": cfg.metric, "smoothquant": alpha,
+        "smoothing": smoothing,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
         "phase_seconds": phases.seconds,
@@ -407,6 +421,35 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         log.warning(f"[quantize] no plan met the budget of {cfg.budget:.3f} exact-match loss; "
                     f"the best found is written to plan.json, marked as such")
     return metrics
+
+
+def _smoothed(adapter, calib_set, rows: int, alpha: float):
+    """A copy of ``adapter`` with SmoothQuant folded in (the adapter's ``smoothing_pairs``, activation
+    maxima of the first ``rows`` calibration images), and each pair's channel range before / after."""
+    import copy
+
+    import torch
+
+    from pipeline.quantization import smooth
+
+    smoothed = copy.deepcopy(adapter)
+    pairs = smoothed.smoothing_pairs()
+    if not pairs:
+        raise PipelineError(f"quantize.smoothquant: model family {smoothed.family!r} names no places to fold "
+                            f"SmoothQuant into (its adapter's smoothing_pairs); set quantize.smoothquant=null")
+    images = torch.from_numpy(np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"],
+                                         np.float32))
+    with torch.inference_mode(False), torch.no_grad():
+        report = smooth.fold(pairs, smooth.input_absmax(smoothed, pairs, images), alpha)
+    return smoothed, report
+
+
+def file_hash_of_rows(calib_set, rows: int) -> str:
+    """A short fingerprint of the first ``rows`` calibration images (the smoothing statistics' input)."""
+    import hashlib
+
+    data = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"], np.float32)
+    return hashlib.sha256(data.tobytes()).hexdigest()[:16]
 
 
 def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
@@ -688,8 +731,7 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         + ").\n\n" + _decoder_section(m) +
         f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
         f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
-        f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\nSmoothQuant: not run "
-        f"(ONNX Runtime's needs `neural-compressor`, not a dependency here).\n\n"
+        f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\n{_smoothing_line(m)}\n\n"
         f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
         f"all groups INT8: {m['all_int8_score']:.1f})"
         + (f": the numbers the plan file carries, measured on the model it was made for" if applied else "")
@@ -705,6 +747,16 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}"
         + (" (" + ", ".join(f"{k} {v:.0f}" for k, v in m.get("phase_seconds", {}).items()) + ")"
            if m.get("phase_seconds") else "") + ".\n")
+
+
+def _smoothing_line(m: dict) -> str:
+    if m.get("smoothquant") is None:
+        return ("SmoothQuant: off (`quantize.smoothquant=ALPHA` folds it into the model before export, "
+                "`pipeline/quantization/smooth.py`).")
+    ranges = ", ".join(f"`{k}` {v['before']:.0f} → {v['after']:.0f}" for k, v in m["smoothing"].items())
+    return (f"SmoothQuant: alpha {m['smoothquant']} folded into the model's LayerNorms and value projections before "
+            f"export (the graphs above are of that model; the float function is the same). Largest over median "
+            f"input-channel maximum of each smoothed projection, before → after: {ranges}.")
 
 
 def _decoder_section(m: dict) -> str:
