@@ -123,7 +123,8 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
 FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
 FLOAT_CHAIN = "export-ort_cpu-float-chain"        # the chain's model (pruned ...) before quantization
 INT8_ORIGINAL = "export-ort_cpu-int8-original"    # the original model quantized with the chain's plan
-QUANTIZE_ORIGINAL = "quantize-original"           # where stage quantize writes that (quantize.original)
+QUANTIZE_ORIGINAL = "quantize-original"           # where stage quantize writes that (quantize.original; the
+                                                  # artifact name is the contract: stages never import each other)
 
 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
@@ -168,14 +169,14 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
     return made
 
 
-def _reference(references: dict, key: tuple, batch_size: int):
+def _reference(references: dict, key: tuple):
     """Torch's parity reading for ``key`` (model, formula ids, cap, batch) when this run made it, or
     the first rows of a longer one of the same model that starts with the same formulas in whole
     batches (each batch is decoded on its own, so its rows are the same); else None."""
     if key in references:
         return references[key]
     model, ids, cap, batch = key
-    if len(ids) % batch_size:
+    if len(ids) % batch:
         return None
     for (m, longer, c, b), ref in references.items():
         if (m, c, b) == (model, cap, batch) and longer[:len(ids)] == ids:
@@ -246,7 +247,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         references = {} if references is None else references
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress, reference=_reference(references, key, batch_size))
+                              progress=ctx.progress, reference=_reference(references, key))
         references[key] = tokens.reference
         failures = check_tolerances(tensors, tokens, **tol)
         # engines only for a package that passed parity (a build takes minutes and ships what failed)

@@ -132,11 +132,11 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     made) also the graphs of the model it was made from, with that plan applied."""
     _validate(cfg)
     manifest = _run_one(cfg, ctx)
-    if not cfg.original or ctx.chain_origin(manifest["config"]["model_ref"]) == manifest["config"]["model_ref"]:
+    origin = ctx.chain_origin(manifest["config"]["model_ref"]) if cfg.original else None
+    if origin is None or origin == manifest["config"]["model_ref"]:
         return manifest
     plan = ctx.artifacts_dir / ctx.artifact_name("quantize", cfg.name) / "plan.json"
     name = f"{cfg.name}-original" if cfg.name else ctx.artifact_name(QUANTIZE_ORIGINAL, stage="quantize")
-    origin = ctx.chain_origin(manifest["config"]["model_ref"])
     applied = replace(cfg, model=origin, plan=str(plan), original=False, name=name, check=False, anchors=False,
                       search_images=min(cfg.search_images, cfg.original_search_images),
                       decoder_search_images=min(cfg.decoder_search_images, cfg.original_search_images))
@@ -197,8 +197,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     graph_key = ctx.model_hash(model_ref)
     smoothing: dict = {}
     if alpha is not None:  # the chain's model stays as it is: only the graphs made here are smoothed
-        adapter, smoothing = _smoothed(adapter, calib_set, cfg.calib_images, alpha)
-        graph_key += f":smoothquant={alpha}:{file_hash_of_rows(calib_set, cfg.calib_images)}"
+        adapter, smoothing, rows_hash = _smoothed(adapter, calib_set, cfg.calib_images, alpha)
+        graph_key += f":smoothquant={alpha}:{rows_hash}"
     graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, graph_key, threads=int(mcfg.threads or 0))
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
@@ -426,8 +426,10 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
 def _smoothed(adapter, calib_set, rows: int, alpha: float):
     """A copy of ``adapter`` with SmoothQuant folded in (the adapter's ``smoothing_pairs``, activation
-    maxima of the first ``rows`` calibration images), and each pair's channel range before / after."""
+    maxima of the first ``rows`` calibration images), each pair's channel range before / after, and a
+    fingerprint of those images (the smoothed graphs' cache key)."""
     import copy
+    import hashlib
 
     import torch
 
@@ -438,19 +440,10 @@ def _smoothed(adapter, calib_set, rows: int, alpha: float):
     if not pairs:
         raise PipelineError(f"quantize.smoothquant: model family {smoothed.family!r} names no places to fold "
                             f"SmoothQuant into (its adapter's smoothing_pairs); set quantize.smoothquant=null")
-    images = torch.from_numpy(np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"],
-                                         np.float32))
-    with torch.inference_mode(False), torch.no_grad():
-        report = smooth.fold(pairs, smooth.input_absmax(smoothed, pairs, images), alpha)
-    return smoothed, report
-
-
-def file_hash_of_rows(calib_set, rows: int) -> str:
-    """A short fingerprint of the first ``rows`` calibration images (the smoothing statistics' input)."""
-    import hashlib
-
-    data = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"], np.float32)
-    return hashlib.sha256(data.tobytes()).hexdigest()[:16]
+    images = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"], np.float32)
+    with torch.no_grad():
+        report = smooth.fold(pairs, smooth.input_absmax(smoothed, pairs, torch.from_numpy(images)), alpha)
+    return smoothed, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
 
 def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
