@@ -201,6 +201,19 @@ def test_plan_round_trip_and_validation(tmp_path):
     (tmp_path / "junk.json").write_bytes(b"\xff\xfe not json")
     with pytest.raises(PipelineError, match="not a JSON plan"):
         load(tmp_path / "junk.json", list(plan.groups), ["minmax"])
+    # SmoothQuant's alpha travels with the plan; a bad one is named (read before the groups, too)
+    from pipeline.quantization.plan import smoothquant_of
+
+    plan.smoothquant = 0.8
+    plan.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json", list(plan.groups), ["minmax"]).smoothquant == 0.8
+    assert smoothquant_of(tmp_path / "p.json") == 0.8 and smoothquant_of(tmp_path / "junk.json") is None
+    raw = json.loads((tmp_path / "p.json").read_text())
+    raw["smoothquant"] = 2
+    (tmp_path / "alpha.json").write_text(json.dumps(raw))
+    for read_it in (lambda f: load(f, list(plan.groups), ["minmax"]), smoothquant_of):
+        with pytest.raises(PipelineError, match="'smoothquant' must be null or a number in \\(0, 1\\], got 2"):
+            read_it(tmp_path / "alpha.json")
 
 
 def test_attention_fusion_keeps_the_encoder_output(tmp_path):
