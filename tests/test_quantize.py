@@ -97,6 +97,39 @@ def test_qdq_is_symmetric_int8_per_channel_and_passes_the_metax_rules(searched):
         assert not inits[n.input[2]].any()  # zero point 0
 
 
+def _activation_quant_types(model: onnx.ModelProto) -> set[int]:
+    """The element types of the zero points of the activation QuantizeLinear nodes."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return {inits[n.input[2]].data_type for n in model.graph.node
+            if n.op_type == "QuantizeLinear" and n.input[0] not in inits and len(n.input) > 2}
+
+
+def test_ort_cpu_activations_are_asymmetric_uint8_by_default_and_symmetric_on_request(root, searched):
+    """The ort_cpu graph quantizes its activations to uint8 with a fitted zero point (ORT CPU's U8S8);
+    its weights stay symmetric int8 per channel, and the plain graph stays symmetric int8 throughout.
+    quantize.ort_cpu_activations=int8 gives the ort_cpu graph zero points 0 too; the plan carries it."""
+    ort_model = onnx.load(str(searched / "encoder.ort_cpu.qdq.onnx"))
+    assert _activation_quant_types(ort_model) == {onnx.TensorProto.UINT8}
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in ort_model.graph.initializer}
+    zero_points = [inits[n.input[2]] for n in ort_model.graph.node
+                   if n.op_type == "QuantizeLinear" and n.input[0] not in inits]
+    assert any(zp.item() != 128 for zp in zero_points)  # fitted to the range, not the symmetric midpoint
+    assert _int8_weight_dqs(ort_model) > 0
+    assert _activation_quant_types(onnx.load(str(searched / "encoder.qdq.onnx"))) == {onnx.TensorProto.INT8}
+    assert json.loads((searched / "plan.json").read_text())["ort_cpu_activations"] == "uint8"
+    _run(root, "quantize.ort_cpu_activations=int8", "quantize.methods=[minmax]", "quantize.name=quantize-s8")
+    out = root / "quantize-s8"
+    model = onnx.load(str(out / "encoder.ort_cpu.qdq.onnx"))
+    assert _activation_quant_types(model) == {onnx.TensorProto.INT8}
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert not any(inits[n.input[2]].any() for n in model.graph.node if n.op_type == "QuantizeLinear")
+    assert json.loads((out / "plan.json").read_text())["ort_cpu_activations"] == "int8"
+    # applying that plan under the uint8 default keeps the plan's scheme
+    _run(root, f"quantize.plan={out / 'plan.json'}", "quantize.name=quantize-s8-applied")
+    again = root / "quantize-s8-applied"
+    assert _activation_quant_types(onnx.load(str(again / "encoder.ort_cpu.qdq.onnx"))) == {onnx.TensorProto.INT8}
+
+
 def test_a_group_marked_float_has_no_qdq_on_its_weights(root, searched, tmp_path):
     plan = json.loads((searched / "plan.json").read_text())
     names = list(plan["groups"])
@@ -214,6 +247,18 @@ def test_plan_round_trip_and_validation(tmp_path):
     for read_it in (lambda f: load(f, list(plan.groups), ["minmax"]), smoothquant_of):
         with pytest.raises(PipelineError, match="'smoothquant' must be null or a number in \\(0, 1\\], got 2"):
             read_it(tmp_path / "alpha.json")
+    # so does the ort_cpu activation scheme; a file without it was made with symmetric int8
+    plan.ort_cpu_activations = "uint8"
+    plan.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json", list(plan.groups), ["minmax"]).ort_cpu_activations == "uint8"
+    raw = json.loads((tmp_path / "p.json").read_text())
+    del raw["ort_cpu_activations"]
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    assert load(tmp_path / "old.json", list(plan.groups), ["minmax"]).ort_cpu_activations == "int8"
+    raw["ort_cpu_activations"] = "int4"
+    (tmp_path / "acts.json").write_text(json.dumps(raw))
+    with pytest.raises(PipelineError, match="'ort_cpu_activations' must be one of \\('int8', 'uint8'\\), got 'int4'"):
+        load(tmp_path / "acts.json", list(plan.groups), ["minmax"])
 
 
 def test_attention_fusion_keeps_the_encoder_output(tmp_path):
@@ -271,6 +316,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.methods=[minmax,histogram]", "quantize.methods: unknown ['histogram']"),
     ("quantize.calib_images=0", "quantize.calib_images must be >= 1"),
     ("quantize.smoothquant=1.5", "quantize.smoothquant must be in (0, 1]"),
+    ("quantize.ort_cpu_activations=int4", "quantize.ort_cpu_activations must be one of int8, uint8, got 'int4'"),
 ])
 def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)

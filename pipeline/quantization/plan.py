@@ -11,6 +11,7 @@ from pipeline.errors import PipelineError
 
 FORMAT = "formula-compress quantize plan v1"
 PRECISIONS = ("int8", "float")
+ACTIVATIONS = ("int8", "uint8")  # pipeline.quantization.qdq.ACTIVATIONS
 
 
 @dataclass
@@ -38,6 +39,9 @@ class Plan:
     # int8 | float, searched on that graph; empty = the projections' precision in `groups`
     ort_cpu_groups: dict[str, str] = field(default_factory=dict)
     smoothquant: float | None = None  # SmoothQuant alpha folded into the model before its graphs (None: off)
+    # the ort_cpu encoder's activations: uint8 (asymmetric) | int8 (symmetric; what a plan file without
+    # the key was made with). The plain graph's are symmetric int8 always (TensorRT, MacaRT)
+    ort_cpu_activations: str = "int8"
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -104,8 +108,11 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     if unknown:
         raise PipelineError(f"quantize.plan: {len(unknown)} ort_cpu group(s) not in this model's graph: "
                             f"{', '.join(unknown[:5])}")
+    acts = raw.get("ort_cpu_activations", "int8")
+    if acts not in ACTIVATIONS:
+        raise PipelineError(f"quantize.plan: 'ort_cpu_activations' must be one of {ACTIVATIONS}, got {acts!r}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
-                smoothquant=_alpha(raw.get("smoothquant"), path),
+                smoothquant=_alpha(raw.get("smoothquant"), path), ort_cpu_activations=acts,
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
                 decoder_nodes={str(k): str(v) for k, v in nodes.items()},
                 ort_cpu_groups={str(k): str(v) for k, v in ort.items()})

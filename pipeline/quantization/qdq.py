@@ -7,7 +7,9 @@ costs a graph rewrite, not a calibration pass.
 
 The scheme is the one TensorRT and MacaRT consume: symmetric INT8 (zero point 0) for weights and
 activations, weights per output channel, activations per tensor, explicit QuantizeLinear /
-DequantizeLinear pairs.
+DequantizeLinear pairs. ONNX Runtime's CPU provider runs asymmetric UINT8 activations (U8S8, the
+form of the VNNI dot product) at the same speed: ``activations="uint8"`` gives the ort_cpu graph a
+zero point that fits one-sided ranges such as GELU outputs (docs/quantize.md, measured).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 OP_TYPES = ("MatMul", "Gemm")
+# activation scheme -> (ORT QuantType name, symmetric); weights are symmetric INT8 per channel in both
+ACTIVATIONS = {"int8": ("QInt8", True), "uint8": ("QUInt8", False)}
 
 
 def calibrate(float_model: Path, reader, method_name: str, cache: Path,
@@ -41,11 +45,16 @@ def calibrate(float_model: Path, reader, method_name: str, cache: Path,
     return time.perf_counter() - started
 
 
-def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_nodes: Sequence[str]) -> bool:
+def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_nodes: Sequence[str],
+             activations: str = "int8") -> bool:
     """Write the QDQ graph of ``float_model`` with ``int8_nodes`` in INT8 to ``out``; the rest stays
-    float. Returns False (and copies the float graph) when no node is INT8."""
+    float. ``activations``: ``int8`` (symmetric, zero point 0: TensorRT, MacaRT) or ``uint8``
+    (asymmetric, for ONNX Runtime CPU). Returns False (and copies the float graph) when no node is INT8."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
+    if activations not in ACTIVATIONS:
+        raise PipelineError(f"activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+    act_type, act_symmetric = ACTIVATIONS[activations]
     if not int8_nodes:  # ORT reads an empty node list as "every node"
         onnx.save(onnx.load(str(float_model)), str(out))
         return False
@@ -53,9 +62,9 @@ def quantize(float_model: Path, out: Path, cache: Path, method_name: str, int8_n
         quantize_static(
             str(float_model), str(out), None, quant_format=QuantFormat.QDQ,
             op_types_to_quantize=list(OP_TYPES), nodes_to_quantize=list(int8_nodes),
-            per_channel=True, activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            per_channel=True, activation_type=getattr(QuantType, act_type), weight_type=QuantType.QInt8,
             calibrate_method=calibration_method(method_name).ort_method, calibration_cache_path=str(cache),
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+            extra_options={"ActivationSymmetric": act_symmetric, "WeightSymmetric": True,
                            # a projection's output feeds a residual Add or GELU in float: quantizing it
                            # (ORT's default for Gemm) costs 20 dB of SNR and no speed
                            "OpTypesToExcludeOutputQuantization": list(OP_TYPES)},

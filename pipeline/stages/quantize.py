@@ -86,6 +86,10 @@ class QuantizeConfig:
     # INT8 at no loss on the search set, and the package read 1.72x faster than the float one, but the
     # whole eval split lost 0.9 point (CER +12 %) against it, over the 0.5-point budget (docs/quantize.md)
     smoothquant: Optional[float] = None
+    # the ort_cpu encoder's activations: uint8 = asymmetric (zero point fitted to the range; ONNX
+    # Runtime CPU runs U8S8 at the speed of S8S8) | int8 = symmetric, zero point 0. The plain graph
+    # (TensorRT, Metax) is symmetric int8 regardless. A plan file carries its own (quantize.plan wins)
+    ort_cpu_activations: str = "uint8"
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: on. Its plan check reads the first original_search_images rows of the search set
@@ -112,6 +116,9 @@ def _validate(cfg: QuantizeConfig) -> None:
     sensitivity.metric(cfg.metric)
     if cfg.smoothquant is not None and not 0.0 < cfg.smoothquant <= 1.0:
         raise PipelineError(f"quantize.smoothquant must be in (0, 1] (SmoothQuant's alpha) or null, got {cfg.smoothquant}")
+    if cfg.ort_cpu_activations not in qdq.ACTIVATIONS:
+        raise PipelineError(f"quantize.ort_cpu_activations must be one of {', '.join(qdq.ACTIVATIONS)}, "
+                            f"got {cfg.ort_cpu_activations!r}")
     if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
         raise PipelineError(f"quantize.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
 
@@ -203,6 +210,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
     given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
+    acts = given.ort_cpu_activations if given else cfg.ort_cpu_activations
 
     lap('float graphs')
     rows = calib_set.with_format("numpy", columns=["pixel_values"])
@@ -239,7 +247,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         seconds = calibrate_ort(method)
         variant = scratch / f"enc.{method}.onnx"
         qdq.quantize(graphs.encoder_ort, variant, ort_caches[method], method,
-                     [g.node for g in ort_groups.values() if g.kind == "weights"])
+                     [g.node for g in ort_groups.values() if g.kind == "weights"], acts)
         r = method_readings[method] = read(readers, variant, search_images, search_truths, max_length, batch)
         method_rows.append({"method": method, "exact_match": r.exact_match, "cer": r.cer,
                             "snr_db": sensitivity.SNR().score(ref_memory, encoder_outputs(package, variant, sens_images)),
@@ -333,7 +341,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
                 r = method_readings[chosen]  # the method comparison read this very graph (same ranges, same set)
             else:
                 qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
-                             [ort_groups[n].node for n in names])
+                             [ort_groups[n].node for n in names], acts)
                 r = read(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
             ort_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
@@ -352,7 +360,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     ort_int8 = [n for n in plan.ort_cpu_int8_groups() if n in ort_groups]
     final_std = build(graphs.encoder_std, cache, chosen, int8, folder / QDQ_ENCODER)
     qdq.quantize(graphs.encoder_ort, folder / QDQ_ENCODER_ORT, ort_caches[chosen], chosen,
-                 [ort_groups[n].node for n in ort_int8])
+                 [ort_groups[n].node for n in ort_int8], acts)
     # the search read these very graphs already (same plan, same images): reuse those readings
     final_reading = std_readings.get(k) or read(readers, final_std, search_images, search_truths, max_length, batch)
     ort_reading = ort_readings.get(k_ort) or read(readers, folder / QDQ_ENCODER_ORT, search_images, search_truths,
@@ -382,7 +390,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
         **(decoder_reading or {}),
     }
-    plan.smoothquant = alpha
+    plan.smoothquant, plan.ort_cpu_activations = alpha, acts
     plan.save(folder / "plan.json")
 
     # 5. the check on eval formulas, beside the anchors
@@ -401,6 +409,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "sensitivity": [{"group": s.group, "only": _num(s.only), "all_but": _num(s.all_but), "gain": _num(s.gain),
                          "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
         "all_int8_score": _num(all_int8_score), "metric": cfg.metric, "smoothquant": alpha,
+        "ort_cpu_activations": acts,
         "smoothing": smoothing,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
@@ -717,7 +726,10 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
     (folder / "report.md").write_text(
         f"# Quantization: {m['model']}\n\n"
         f"Symmetric INT8 (zero point 0), per-channel weights, per-tensor activations, explicit Q/DQ "
-        f"(ONNX Runtime `quantize_static`, ranges from ORT's calibrators). Decoder: {m['decoder']}.\n\n"
+        f"(ONNX Runtime `quantize_static`, ranges from ORT's calibrators)"
+        + ("; the ort_cpu graph's activations asymmetric UINT8 (zero point fitted to each range: ONNX Runtime "
+           "CPU's U8S8)" if m.get("ort_cpu_activations") == "uint8" else "")
+        + f". Decoder: {m['decoder']}.\n\n"
         f"Plan: **{m['int8_groups']} of {m['groups']} groups INT8**, {m['int8_mac_share']:.0%} of the encoder's "
         f"MatMul MACs; budget {m['budget']:.3f} exact-match loss vs float: {status}. "
         f"On the search set ({s['search_set']}): float {s['float_exact_match']:.3f} / CER {s['float_cer']:.3f}, "
