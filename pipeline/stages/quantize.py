@@ -83,8 +83,8 @@ class QuantizeConfig:
     # SmoothQuant alpha (pipeline/quantization/smooth.py): folded into a copy of the model, from the
     # activations of the calib_images rows, before its graphs are exported; null = off. A plan file
     # carries its own (quantize.plan wins). Off by default: alpha 0.8 let every ort_cpu projection go
-    # INT8 at no loss on the search set, and the package read 1.72x faster than the float one, but the
-    # whole eval split lost 0.9 point (CER +12 %) against it, over the 0.5-point budget (docs/quantize.md)
+    # INT8 at no loss on the search set, and the package read 1.72-1.78x faster than the float one, but
+    # the whole eval split lost 0.9-1.2 points against it, over the 0.5-point budget (docs/quantize.md)
     smoothquant: Optional[float] = None
     # the ort_cpu encoder's activations: uint8 = asymmetric (zero point fitted to the range; ONNX
     # Runtime CPU runs U8S8 at the speed of S8S8) | int8 = symmetric, zero point 0. The plain graph
