@@ -533,3 +533,24 @@ def test_check_off_leaves_the_plan_and_graphs_and_says_so(root, searched):
     assert "Off (`quantize.check=false`" in (out / "report.md").read_text()
     for name in ("plan.json", "encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
         assert (out / name).read_bytes() == (searched / name).read_bytes(), name
+
+
+def test_paired_counts_and_standard_error_of_a_loss():
+    from pipeline.quantization.measure import Reading
+
+    ref = Reading([[1]] * 8, [""] * 8, [True, True, True, True, False, False, False, False], 0.0)
+    plan = Reading([[1]] * 8, [""] * 8, [True, True, True, False, True, False, False, False], 0.0)
+    p = plan.paired(ref)
+    assert (p["gained"], p["lost"]) == (1, 1)
+    # differences -1, +1 and six 0: variance 2/8, standard error sqrt(0.25 / 8)
+    assert p["loss_se"] == pytest.approx((0.25 / 8) ** 0.5)
+    assert ref.paired(ref) == {"gained": 0, "lost": 0, "loss_se": 0.0}
+
+
+def test_the_search_trace_reports_gained_lost_and_the_paired_error(searched):
+    metrics = json.loads((searched / "quantize.json").read_text())
+    for row in metrics["search_trace"] + metrics["ort_cpu_search_trace"]:
+        assert {"gained", "lost", "loss_se"} <= set(row)
+        assert row["loss"] == pytest.approx((row["lost"] - row["gained"]) / metrics["search_n"])
+    report = (searched / "report.md").read_text()
+    assert "gained / lost vs float" in report and "paired standard error" in report

@@ -32,6 +32,16 @@ class Reading:
     def identical_to(self, other: "Reading") -> float:
         return float(np.mean([a == b for a, b in zip(self.token_ids, other.token_ids)])) if self.token_ids else 0.0
 
+    def paired(self, reference: "Reading") -> dict[str, float]:
+        """Against ``reference`` on the same images: formulas this reading gets right and it does not
+        (``gained``), the reverse (``lost``), and the standard error of the exact-match difference
+        (``loss_se``, a share): how finely these images resolve a loss."""
+        n = len(self.exact)
+        gained = sum(a and not b for a, b in zip(self.exact, reference.exact))
+        lost = sum(b and not a for a, b in zip(self.exact, reference.exact))
+        var = (gained + lost) / n - ((gained - lost) / n) ** 2 if n else 0.0
+        return {"gained": gained, "lost": lost, "loss_se": float(np.sqrt(max(var, 0.0) / n)) if n else 0.0}
+
 
 def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, images: np.ndarray,
          truths: Sequence[str], max_length: int, batch_size: int) -> Reading:

@@ -294,7 +294,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         loss = float_reading.exact_match - r.exact_match
         plan.met_budget = loss <= cfg.budget + 1e-9
         plan.budget = cfg.budget
-        trace.append({"float_groups": len(by_name) - len(int8), "exact_match": r.exact_match, "loss": loss})
+        trace.append({"float_groups": len(by_name) - len(int8), "exact_match": r.exact_match, "loss": loss,
+                      **r.paired(float_reading)})
         plan.note = f"applied from {cfg.plan}"
         std_readings[len(by_name) - len(int8)] = r
         k = len(by_name) - len(int8)
@@ -308,7 +309,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             std_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             trace.append({"float_groups": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
-                          "cer": r.cer, "loss": loss, "int8_mac_share": _mac_share(by_name, names)})
+                          "cer": r.cer, "loss": loss, **r.paired(float_reading),
+                          "int8_mac_share": _mac_share(by_name, names)})
             return loss
 
         k = _smallest_within(loss_with_float, len(order), cfg.budget, ctx.progress)
@@ -346,7 +348,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             ort_readings[k] = r
             loss = float_reading.exact_match - r.exact_match
             ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
-                              "exact_match": r.exact_match, "cer": r.cer, "loss": loss,
+                              "exact_match": r.exact_match, "cer": r.cer, "loss": loss, **r.paired(float_reading),
                               "int8_mac_share": _mac_share(by_name, names)})
             return loss
 
@@ -402,7 +404,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "applied_plan": cfg.plan,
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
         "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
-        "search": plan.measured, "search_trace": trace, "ort_cpu_search_trace": ort_trace,
+        "search": plan.measured, "search_n": len(search_truths), "search_trace": trace,
+        "ort_cpu_search_trace": ort_trace,
         "ort_cpu_int8_groups": len(ort_int8), "ort_cpu_groups": len(ort_groups),
         "ort_cpu_int8_mac_share": _mac_share(by_name, set(ort_int8)), "anchors": table,
         "decoder_search_trace": decoder_trace, "decoder_sensitivity": decoder_sens,
@@ -513,7 +516,7 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
             r = readings[tuple(int8_now)] = reading(made(int8_now, "search"))
             loss = base.exact_match - r.exact_match
             trace.append({"float_nodes": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
-                          "cer": r.cer, "loss": loss, "identical": r.identical_to(base)})
+                          "cer": r.cer, "loss": loss, "identical": r.identical_to(base), **r.paired(base)})
             return loss
 
         k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
@@ -704,9 +707,10 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
     s = m["search"]
     def trace_table(rows: list[dict]) -> str:
         return markdown_table(["groups returned to float", "last returned", "exact match", "loss vs float",
-                               "INT8 MAC share"],
+                               "gained / lost vs float", "paired SE of the loss", "INT8 MAC share"],
                               [[t["float_groups"], f"`{t.get('returned')}`" if t.get("returned") else "",
-                                f"{t['exact_match']:.3f}", f"{t['loss']:+.3f}",
+                                f"{t['exact_match']:.3f}", f"{t['loss']:+.3f}", _paired_cell(t),
+                                f"{t['loss_se']:.3f}" if "loss_se" in t else "",
                                 f"{t.get('int8_mac_share', float('nan')):.2f}"] for t in rows])
     trace = trace_table(m["search_trace"])
     if m.get("ort_cpu_search_trace"):
@@ -742,7 +746,10 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"all groups INT8: {m['all_int8_score']:.1f})"
         + (f": the numbers the plan file carries, measured on the model it was made for" if applied else "")
         + f"\n\n{sens}\n\n![sensitivity](sensitivity.png)\n\n"
-        f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n{trace}\n\n"
+        f"![heat map](sensitivity_heatmap.png)\n\n## Plan search (binary search over the ranking)\n\n"
+        f"Loss: the float model's exact match minus the plan's on the {m['search_n']} search formulas (one formula "
+        f"is {1 / max(1, m['search_n']):.3f}); the paired standard error says how finely they resolve it: a loss "
+        f"within about one SE of the budget could be on either side of it on other formulas.\n\n{trace}\n\n"
         + (f"## Check on {n_eval} eval formulas (and as many of each other split: the shift split holds formulas "
            f"from packages training never saw), beside the anchors (same formulas, same session options)\n\n"
            f"{anchors_t}\n\n![pareto](pareto.png)\n\nLatency: batch 1, 1 intra-op thread, ONNX Runtime CPU, "
@@ -753,6 +760,10 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"{m['seconds']['sensitivity']}, search {m['seconds']['search']}, whole stage {m['seconds']['total']}"
         + (" (" + ", ".join(f"{k} {v:.0f}" for k, v in m.get("phase_seconds", {}).items()) + ")"
            if m.get("phase_seconds") else "") + ".\n")
+
+
+def _paired_cell(t: dict) -> str:
+    return f"{t['gained']} / {t['lost']}" if "gained" in t else ""
 
 
 def _smoothing_line(m: dict) -> str:
@@ -772,9 +783,11 @@ def _decoder_section(m: dict) -> str:
     sens = markdown_table(["rank", "decoder_step node", "logit SNR dB alone in 8 bits"],
                           [[i + 1, f"`{r['node']}`", f"{r['logit_snr_db']:.1f}"]
                            for i, r in enumerate(m.get("decoder_sensitivity", []))])
-    trace = markdown_table(["nodes kept float", "last kept", "exact match", "loss vs float decoder", "identical readings"],
+    trace = markdown_table(["nodes kept float", "last kept", "exact match", "loss vs float decoder",
+                            "gained / lost", "paired SE of the loss", "identical readings"],
                            [[t["float_nodes"], f"`{t['returned']}`" if t.get("returned") else "", f"{t['exact_match']:.3f}",
-                             f"{t['loss']:+.3f}", f"{t['identical']:.3f}"] for t in m.get("decoder_search_trace", [])])
+                             f"{t['loss']:+.3f}", _paired_cell(t), f"{t['loss_se']:.3f}" if "loss_se" in t else "",
+                             f"{t['identical']:.3f}"] for t in m.get("decoder_search_trace", [])])
     return (f"## ort_cpu decoder\n\n{m['decoder']}. On the decoder search set ({s['decoder_search_set']}), with the "
             f"INT8 encoder: float decoder {s['decoder_float_exact_match']:.3f} / CER {s['decoder_float_cer']:.3f}, "
             f"the plan's decoder {s['ort_cpu_int8_decoder_exact_match']:.3f} / {s['ort_cpu_int8_decoder_cer']:.3f} "
