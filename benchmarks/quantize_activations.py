@@ -5,8 +5,9 @@ calibration-set formulas (issue 11; docs/quantize.md, "Activations on ONNX Runti
 For each SmoothQuant setting the model's graphs are exported (the quantize stage's own code), the
 ranges come from the first ``--calib`` calibration rows (percentile 99.99, the stage's default),
 and the rows after them up to ``--rows`` are read with the float package and with each INT8 encoder
-(the package's float decoder): exact match, CER, formulas gained / lost against float, readings
-identical to float, encoder-output SNR; also the first 256 rows alone (the stage's search set).
+(the package's float decoder): exact match, CER, formulas gained / lost against float and the
+paired standard error of the loss, readings identical to float, encoder-output SNR; also the first
+256 rows alone (the stage's search set).
 
     python benchmarks/quantize_activations.py artifacts --model prune --alphas none 0.8
 """
@@ -86,11 +87,10 @@ def main() -> None:
                 encoder = folder / f"encoder.{acts}.onnx"
                 qdq.quantize(graphs.encoder_ort, encoder, cache, METHOD, nodes, acts)
                 r = read(readers, encoder, images, truths, max_length, 16)
-                pairs = list(zip(r.exact, float_reading.exact))
                 row = {"model": args.model, "smoothquant": alpha, "activations": acts, "n": len(truths),
                        "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
                        "exact_match": r.exact_match, "cer": r.cer, "identical": r.identical_to(float_reading),
-                       "gained": sum(a and not b for a, b in pairs), "lost": sum(b and not a for a, b in pairs),
+                       **r.paired(float_reading),
                        "snr_db": sensitivity.SNR().score(ref, encoder_outputs(graphs.package, encoder, images[:16])),
                        "first_256": {"exact_match": float(np.mean(r.exact[:256])),
                                      "float_exact_match": float(np.mean(float_reading.exact[:256]))}}
