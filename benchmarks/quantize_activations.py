@@ -22,17 +22,17 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from calibration import sensitivity  # noqa: E402
 from calibration.calibrators import CalibSetReader, load_calib_set  # noqa: E402
-from pipeline.quantization import qdq  # noqa: E402
+from pipeline.quantization import qdq, smooth  # noqa: E402
 from pipeline.quantization.graphs import float_graphs  # noqa: E402
 from pipeline.quantization.groups import find_groups  # noqa: E402
 from pipeline.quantization.measure import encoder_outputs, read  # noqa: E402
-from pipeline.stages.quantize import _smoothed  # noqa: E402
 
 METHOD = "percentile_99.99"
 
@@ -65,6 +65,7 @@ def main() -> None:
     calib = load_calib_set(args.artifacts / "calibrate")
     rows = calib.with_format("numpy", columns=["pixel_values"])
     images = np.asarray(rows[args.calib:args.rows]["pixel_values"], np.float32)
+    calib_images = torch.from_numpy(np.asarray(rows[:args.calib]["pixel_values"], np.float32))
     truths = calib[args.calib:args.rows]["text"]
     out_path = args.out or args.artifacts / "quantize-activations.jsonl"
     work = Path(tempfile.mkdtemp(prefix="quantize-activations-"))
@@ -72,7 +73,7 @@ def main() -> None:
     try:
         for spec in args.alphas:
             alpha = None if spec == "none" else float(spec)
-            adapter = base if alpha is None else _smoothed(base, calib, args.calib, alpha)[0]
+            adapter = base if alpha is None else smooth.smoothed_copy(base, calib_images, alpha)[0]
             folder = work / spec
             folder.mkdir()
             graphs = float_graphs(adapter, folder, max_length, f"activations-probe:{args.model}:{spec}", threads=1)

@@ -17,11 +17,14 @@ quantizer, for TensorRT-LLM); this module does the fold for the ONNX path.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from pipeline.errors import PipelineError
 
 
 @dataclass(frozen=True)
@@ -82,3 +85,16 @@ def fold(pairs: Sequence[SmoothPair], absmax: dict[str, torch.Tensor], alpha: fl
         report[p.name] = {"before": float(a.max() / a.median().clamp(min=1e-9)),
                           "after": float((a / s).max() / (a / s).median().clamp(min=1e-9))}
     return report
+
+
+@torch.no_grad()
+def smoothed_copy(adapter, images: torch.Tensor, alpha: float):
+    """A copy of ``adapter`` with SmoothQuant folded in at the adapter's ``smoothing_pairs``, from the
+    activation maxima over ``images``; ``adapter`` is left as it is. Returns the copy and
+    :func:`fold`'s report."""
+    smoothed = copy.deepcopy(adapter)
+    pairs = smoothed.smoothing_pairs()
+    if not pairs:
+        raise PipelineError(f"quantize.smoothquant: model family {smoothed.family!r} names no places to fold "
+                            f"SmoothQuant into (its adapter's smoothing_pairs); set quantize.smoothquant=null")
+    return smoothed, fold(pairs, input_absmax(smoothed, pairs, images), alpha)

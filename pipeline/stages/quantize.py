@@ -437,24 +437,17 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
 
 def _smoothed(adapter, calib_set, rows: int, alpha: float):
-    """A copy of ``adapter`` with SmoothQuant folded in (the adapter's ``smoothing_pairs``, activation
-    maxima of the first ``rows`` calibration images), each pair's channel range before / after, and a
-    fingerprint of those images (the smoothed graphs' cache key)."""
-    import copy
+    """A copy of ``adapter`` with SmoothQuant folded in from the activation maxima of the first ``rows``
+    calibration images, each pair's channel range before / after, and a fingerprint of those images
+    (the smoothed graphs' cache key)."""
     import hashlib
 
     import torch
 
     from pipeline.quantization import smooth
 
-    smoothed = copy.deepcopy(adapter)
-    pairs = smoothed.smoothing_pairs()
-    if not pairs:
-        raise PipelineError(f"quantize.smoothquant: model family {smoothed.family!r} names no places to fold "
-                            f"SmoothQuant into (its adapter's smoothing_pairs); set quantize.smoothquant=null")
     images = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"], np.float32)
-    with torch.no_grad():
-        report = smooth.fold(pairs, smooth.input_absmax(smoothed, pairs, torch.from_numpy(images)), alpha)
+    smoothed, report = smooth.smoothed_copy(adapter, torch.from_numpy(images), alpha)
     return smoothed, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
 
