@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned to its CPU build; pyproject's torch==2.13.0 is then already met
 	$(BIN)/pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	# compare: NNCF, the quantize stage's accuracy-control anchor (its test runs here; the pipeline never needs it)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,compare]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -554,3 +554,36 @@ def test_the_search_trace_reports_gained_lost_and_the_paired_error(searched):
         assert row["loss"] == pytest.approx((row["lost"] - row["gained"]) / metrics["search_n"])
     report = (searched / "report.md").read_text()
     assert "gained / lost vs float" in report and "paired standard error" in report
+
+
+def test_anchors_run_beside_ours_nncf_judged_by_our_greedy_reading_of_the_search_set(root, monkeypatch):
+    """quantize.anchors=true: every anchor is a row with numbers (or says why not), and NNCF's
+    accuracy control validates on our search set, rows named by index, with our budget."""
+    pytest.importorskip("nncf")
+    import nncf
+
+    from pipeline.quantization import anchors
+
+    seen = {}
+    real = nncf.quantize_with_accuracy_control
+
+    def spy(model, calibration_dataset, validation_dataset, validation_fn, **kw):
+        seen["rows"] = list(validation_dataset.get_data())
+        seen["kw"] = kw
+        seen["first"] = validation_fn(model, [0, 1])  # our reading of two search rows with the float encoder
+        return real(model, calibration_dataset, validation_dataset, validation_fn, **kw)
+
+    monkeypatch.setattr(nncf, "quantize_with_accuracy_control", spy)
+    _run(root, "quantize.anchors=true", "quantize.name=quantize-anchors", "quantize.budget=0.25")
+    metrics = json.loads((root / "quantize-anchors" / "quantize.json").read_text())
+    rows = {r["variant"]: r for r in metrics["anchors"]}
+    assert {"float (ort_cpu package)", "ORT quantize_dynamic", "ORT quantize_static (defaults)",
+            anchors.NNCF} <= set(rows)
+    nncf_row = rows[anchors.NNCF]
+    assert "exact_match" in nncf_row and nncf_row["int8_mac_share"] > 0, nncf_row
+    assert "max_drop=0.25" in nncf_row["note"]
+    assert seen["rows"] == list(range(8)) and seen["kw"]["max_drop"] == 0.25 and seen["kw"]["subset_size"] == 8
+    em, per_row = seen["first"]
+    assert len(per_row) == 2 and set(per_row) <= {0.0, 1.0} and em == sum(per_row) / 2
+    assert not (root / "quantize-anchors" / ".work").exists()
+    assert anchors.NNCF in (root / "quantize-anchors" / "report.md").read_text()

@@ -78,7 +78,8 @@ class QuantizeConfig:
     decoder_search_images: int = 256  # calibration rows from calib_images on: the decoder's search set
     check: bool = True                # float vs ours on eval_limit formulas of each split, with latency (stage=all:
                                       # off; export's parity and the benchmark read the packages there)
-    anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 beside ours
+    anchors: bool = True              # quantize_dynamic, quantize_static defaults, ModelOpt INT8 and NNCF's
+                                      # accuracy control (when installed: the compare extra) beside ours
     latency_images: int = 6           # images timed at batch 1 (1 thread) per variant
     # SmoothQuant alpha (pipeline/quantization/smooth.py): folded into a copy of the model, from the
     # activations of the calib_images rows, before its graphs are exported; null = off. A plan file
@@ -396,8 +397,13 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     plan.save(folder / "plan.json")
 
     # 5. the check on eval formulas, beside the anchors
-    table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds) \
-        if cfg.check or cfg.anchors else []
+    def validate(encoder: Path, idx: list[int]) -> tuple[float, list[float]]:
+        """Rows ``idx`` of the search set read with ``encoder``: what NNCF's anchor is judged by."""
+        r = read(readers, encoder, search_images[idx], [search_truths[i] for i in idx], max_length, batch)
+        return r.exact_match, [float(e) for e in r.exact]
+
+    table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds,
+                           validate, len(search_truths)) if cfg.check or cfg.anchors else []
     lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
@@ -570,7 +576,8 @@ def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter, split: str = "eva
 
 
 def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
-                   scratch: Path, search_seconds: float) -> list[dict]:
+                   scratch: Path, search_seconds: float, validate: anchors.Validate | None = None,
+                   search_rows: int = 0) -> list[dict]:
     """Float, ours and the anchors on the same eval formulas and session options: one table; the
     accuracy columns also on the other ``quantize.eval_splits`` (the shift split: sources training
     never saw)."""
@@ -590,7 +597,8 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
     notes: dict[str, str] = {}
     if cfg.anchors:
         for name, (path, share, secs, note) in anchors.build_all(graphs, scratch, calib_set, cfg.calib_images,
-                                                                  by_name).items():
+                                                                  by_name, validate, search_rows,
+                                                                  cfg.budget).items():
             if path is None:
                 notes[name] = note
                 continue
