@@ -148,6 +148,13 @@ def main() -> None:
     except KeyboardInterrupt:
         interrupts.finished()
         fail("interrupted; previous artifacts left as they were", interrupted=True)
+    except Exception:
+        # a signal inside a native module's import turns the handler's KeyboardInterrupt into that
+        # module's own error (onnxruntime: "ImportError: initialization failed"): still an interrupt
+        if interrupts.received():
+            interrupts.finished()
+            fail("interrupted; previous artifacts left as they were", interrupted=True)
+        raise
     finally:
         interrupts.finished()
 

@@ -163,6 +163,36 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
+def test_a_signal_a_native_import_turned_into_its_own_error_is_one_line(monkeypatch, capsys):
+    """A signal during onnxruntime's import surfaces as "ImportError: initialization failed" (its
+    cause the handler's KeyboardInterrupt; seen in CI at one of the moments above): one line, exit 2."""
+    import pipeline.__main__ as cli
+    from pipeline import interrupts
+
+    def start_up():
+        try:
+            interrupts._handler(signal.SIGTERM, None)
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "_main", start_up)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    interrupts.reset()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.main()
+    finally:
+        interrupts.reset()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err == "error: interrupted; previous artifacts left as they were\n"
+    monkeypatch.setattr(cli, "_main", lambda: (_ for _ in ()).throw(ImportError("no signal: a real error")))
+    with pytest.raises(ImportError, match="a real error"):  # without a signal the error is not hidden
+        cli.main()
+
+
 def test_a_signal_during_the_swap_is_deferred_until_the_swap_is_done(tmp_path):
     from pipeline import interrupts
     from pipeline.errors import Interrupted
