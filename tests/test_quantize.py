@@ -587,3 +587,20 @@ def test_anchors_run_beside_ours_nncf_judged_by_our_greedy_reading_of_the_search
     assert len(per_row) == 2 and set(per_row) <= {0.0, 1.0} and em == sum(per_row) / 2
     assert not (root / "quantize-anchors" / ".work").exists()
     assert anchors.NNCF in (root / "quantize-anchors" / "report.md").read_text()
+
+
+def test_a_budget_finer_than_the_search_set_resolves_is_said(searched):
+    """The deployable plan's search-set loss and its paired SE are in quantize.json; when the SE is
+    above the budget, one line says so (the log and the report), else nothing."""
+    from pipeline.stages.quantize import resolution_note
+
+    metrics = json.loads((searched / "quantize.json").read_text())
+    r = metrics["ort_cpu_search"]
+    assert {"loss", "gained", "lost", "loss_se"} <= set(r) and r["loss_se"] >= 0
+    m = {"budget": 0.005, "search_n": 256, "ort_cpu_search": {"loss": 0.0, "gained": 3, "lost": 3, "loss_se": 0.0095}}
+    note = resolution_note(m)
+    assert note and "256 search formulas" in note and "+0.0%" in note and "0.9%" in note and "3 lost" in note
+    assert resolution_note({**m, "ort_cpu_search": {**m["ort_cpu_search"], "loss_se": 0.004}}) is None
+    assert resolution_note({"budget": 0.005, "search_n": 8}) is None  # a plan file from before: no reading kept
+    report = (searched / "report.md").read_text()
+    assert ("**Resolution:**" in report) == (resolution_note(metrics) is not None)
