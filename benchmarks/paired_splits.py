@@ -1,0 +1,98 @@
+"""Two ONNX packages read the same whole split, formula by formula: how finely that split resolves the
+difference between them (issue 10's tolerances: 1 point of exact match, 5 % relative CER).
+
+Prints, per split: exact match of each, formulas gained / lost, the paired standard error of the
+exact-match difference; corpus CER of each, the relative CER change with a paired bootstrap 95 %
+interval (formulas resampled together, seeded), and how much of the CER difference comes from
+readings that ran to the length cap. Writes the rows as JSON lines.
+
+    python benchmarks/paired_splits.py artifacts export-ort_cpu-float-original export-ort_cpu-float-chain \
+        --splits eval shift
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipeline.data.render import render_inputs  # noqa: E402
+from pipeline.export.runtime import OnnxPackage  # noqa: E402
+from pipeline.metrics import edit_distance, normalize  # noqa: E402
+from pipeline.quantization.measure import read  # noqa: E402
+
+
+def context(artifacts: Path):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import register_configs
+    from pipeline.context import StageContext
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"artifacts.dir={artifacts}", "progress=false"])
+    return StageContext(cfg)
+
+
+def compare(a_texts, b_texts, a_exact, b_exact, a_steps, b_steps, truths, cap: int, resamples: int = 2000,
+            seed: int = 0) -> dict:
+    """B against A on the same formulas (the numbers this script prints; tested)."""
+    n = len(truths)
+    ref_len = np.array([len(normalize(t)) for t in truths], float)
+    a_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(a_texts, truths)], float)
+    b_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(b_texts, truths)], float)
+    a_ex, b_ex = np.asarray(a_exact, bool), np.asarray(b_exact, bool)
+    gained, lost = int((b_ex & ~a_ex).sum()), int((a_ex & ~b_ex).sum())
+    d = (gained - lost) / n
+    se = float(np.sqrt(max((gained + lost) / n - d * d, 0.0) / n))
+    cer_a, cer_b = a_edits.sum() / ref_len.sum(), b_edits.sum() / ref_len.sum()
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(resamples, n))
+    a_sum, b_sum = a_edits[idx].sum(1), b_edits[idx].sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a resample without A's errors: 0 if B has none too
+        ratio = np.where(a_sum > 0, b_sum / np.where(a_sum > 0, a_sum, 1) - 1, np.where(b_sum > 0, np.inf, 0.0))
+    capped = (np.asarray(a_steps) >= cap) | (np.asarray(b_steps) >= cap)
+    diff = b_edits.sum() - a_edits.sum()
+    return {"n": n, "exact_match_a": float(a_ex.mean()), "exact_match_b": float(b_ex.mean()),
+            "exact_match_change": d, "gained": gained, "lost": lost, "paired_se": se,
+            "cer_a": float(cer_a), "cer_b": float(cer_b), "cer_relative_change": float(cer_b / cer_a - 1) if cer_a else 0.0,
+            "cer_change_ci95": [float(np.quantile(ratio, q, method="inverted_cdf")) for q in (0.025, 0.975)],
+            "capped_formulas": int(capped.sum()),
+            "cer_difference_from_capped": float((b_edits[capped].sum() - a_edits[capped].sum()) / diff) if diff else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", type=Path)
+    ap.add_argument("a", help="package folder (under artifacts, or a path): the reference")
+    ap.add_argument("b", help="package folder: the variant")
+    ap.add_argument("--splits", nargs="+", default=["eval", "shift"])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
+    args = ap.parse_args()
+    ctx = context(args.artifacts.resolve())
+    cap = int(ctx.cfg.model.max_length)
+    folders = [p if p.is_dir() else args.artifacts / p for p in (Path(args.a), Path(args.b))]
+    packages = [OnnxPackage(f, threads=args.threads) for f in folders]
+    rows = []
+    for split in args.splits:
+        items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], packages[0].preprocess, None, False, split)
+        images = np.stack([np.asarray(x, np.float32) for _, _, x in items])
+        truths = [latex for _, latex, _ in items]
+        ra, rb = (read(p, None, images, truths, cap, 8) for p in packages)
+        row = {"split": split, "a": args.a, "b": args.b,
+               **compare(ra.texts, rb.texts, ra.exact, rb.exact, ra.steps, rb.steps, truths, cap - 1)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with (args.out or args.artifacts / "paired-splits.jsonl").open("a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""benchmarks/paired_splits.py: the paired numbers it prints, on a hand-computed case."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("paired_splits", REPO / "benchmarks" / "paired_splits.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_paired_exact_match_cer_interval_and_the_capped_share():
+    compare = _module().compare
+    truths = ["ab", "cd", "ef", "gh"]
+    a = ["ab", "cd", "ex", "gh"]                  # 3 exact; 1 edit
+    b = ["ab", "cx", "ef", "ghyyyyyy"]            # 2 exact; 1 + 6 edits, the last one ran to the cap
+    exact = lambda p: [x == t for x, t in zip(p, truths)]  # noqa: E731
+    r = compare(a, b, exact(a), exact(b), [2, 2, 2, 2], [2, 2, 2, 9], truths, cap=9, resamples=500)
+    assert (r["gained"], r["lost"]) == (1, 2)  # "ef" gained; "cd" and "gh" lost
+    assert r["exact_match_change"] == pytest.approx(-0.25)
+    assert r["paired_se"] == pytest.approx(np.sqrt((3 / 4 - 0.25 ** 2) / 4))
+    assert (r["cer_a"], r["cer_b"]) == (pytest.approx(1 / 8), pytest.approx(7 / 8))
+    assert r["cer_relative_change"] == pytest.approx(6.0)
+    lo, hi = r["cer_change_ci95"]
+    assert lo <= r["cer_relative_change"] <= hi  # the paired bootstrap interval holds the estimate
+    assert r["capped_formulas"] == 1 and r["cer_difference_from_capped"] == pytest.approx(6 / 6)
+    same = compare(a, a, exact(a), exact(a), [2] * 4, [2] * 4, truths, cap=9)
+    assert same["paired_se"] == 0 and same["cer_change_ci95"] == [0.0, 0.0] and same["cer_difference_from_capped"] == 0
