@@ -261,6 +261,13 @@ def test_the_packages_also_read_the_shift_split(root):
     assert by["torch tiny-model"]["splits"] == {}
     header = summary.table(m["variants"]).splitlines()[0]
     assert header.endswith("| exact match (shift) | CER (shift) |")
+    # the shift readings are kept formula by formula (paired comparisons), and they are what was scored
+    from pipeline.metrics import normalize
+
+    rows = [json.loads(line) for line in (root / "benchmark-splits" / "predictions-shift.jsonl").read_text().splitlines()]
+    assert len(rows) == by["deployable"]["splits"]["shift"]["n"] and "torch tiny-model" not in rows[0]
+    exact = np.mean([normalize(r["deployable"]) == normalize(r["truth"]) for r in rows])
+    assert exact == pytest.approx(by["deployable"]["splits"]["shift"]["exact_match"])
 
 
 def test_extra_split_equal_to_the_main_one_is_one_error(root):

@@ -205,8 +205,10 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
         lap("accuracy")
     bar.close()
     other = {}  # split -> label -> reading: the packages only (the torch variants read the main split)
+    other_truths: dict[str, list[str]] = {}
     for name, split_formulas in extra.items():
         x_images, x_truths = _render(adapter, split_formulas, cfg.eval_limit, ctx.progress)
+        other_truths[name] = x_truths
         bar = tqdm(total=len(packages), desc=f"accuracy ({name})", disable=not ctx.progress)
         other[name] = measure.accuracy_parallel(packages, x_images, x_truths, max_length, cfg.batch_size,
                                                 cfg.workers, bar.update)
@@ -298,6 +300,11 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
         for i, truth in enumerate(truths):
             f.write(json.dumps({"truth": truth, **{v.label: reads[v.label]["texts"][i] for v in variants
                                                    if i < reads[v.label]["n"]}}, ensure_ascii=False) + "\n")
+    for name, readings in other.items():  # the other splits' readings too: paired comparisons need them
+        with open(folder / f"predictions-{name}.jsonl", "w", encoding="utf-8") as f:
+            for i, truth in enumerate(other_truths[name]):
+                f.write(json.dumps({"truth": truth, **{label: r["texts"][i] for label, r in readings.items()}},
+                                   ensure_ascii=False) + "\n")
     summary.pareto_plot(folder / "pareto.png", rows, f"{len(truths)} formulas, {threads} thread(s), "
                                                      f"cap {max_length}: images/s vs exact match")
     _write_report(folder, metrics)
