@@ -24,19 +24,8 @@ sys.path.insert(0, str(REPO))
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
 from pipeline.metrics import edit_distance, normalize  # noqa: E402
+from pipeline.context import StageContext  # noqa: E402
 from pipeline.quantization.measure import read  # noqa: E402
-
-
-def context(artifacts: Path):
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import register_configs
-    from pipeline.context import StageContext
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[f"artifacts.dir={artifacts}", "progress=false"])
-    return StageContext(cfg)
 
 
 def compare(a_texts, b_texts, a_exact, b_exact, a_steps, b_steps, truths, cap: int, resamples: int = 2000,
@@ -75,7 +64,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
     args = ap.parse_args()
-    ctx = context(args.artifacts.resolve())
+    ctx = StageContext.compose(args.artifacts.resolve())
     cap = int(ctx.cfg.model.max_length)
     folders = [p if p.is_dir() else args.artifacts / p for p in (Path(args.a), Path(args.b))]
     packages = [OnnxPackage(f, threads=args.threads) for f in folders]

@@ -32,22 +32,10 @@ from calibration.calibrators import CalibSetReader, load_calib_set  # noqa: E402
 from pipeline.quantization import qdq, smooth  # noqa: E402
 from pipeline.quantization.graphs import float_graphs  # noqa: E402
 from pipeline.quantization.groups import find_groups  # noqa: E402
+from pipeline.context import StageContext  # noqa: E402
 from pipeline.quantization.measure import encoder_outputs, read  # noqa: E402
 
 METHOD = "percentile_99.99"
-
-
-def context(artifacts: Path):
-    from hydra import compose, initialize_config_dir
-
-    from pipeline.config import register_configs
-    from pipeline.context import StageContext
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["stage=quantize", f"artifacts.dir={artifacts}",
-                                                         "progress=false"])
-    return StageContext(cfg)
 
 
 def main() -> None:
@@ -59,7 +47,7 @@ def main() -> None:
     ap.add_argument("--alphas", nargs="+", default=["none", "0.8"], help="SmoothQuant alphas; none = off")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/quantize-activations.jsonl)")
     args = ap.parse_args()
-    ctx = context(args.artifacts.resolve())
+    ctx = StageContext.compose(args.artifacts.resolve(), ["stage=quantize"])
     max_length = int(ctx.cfg.model.max_length)
     base = ctx.load_model(args.model)
     calib = load_calib_set(args.artifacts / "calibrate")

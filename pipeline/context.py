@@ -28,6 +28,20 @@ JOB_SCOPED = ("prune", "distill", "quantize", "export", "benchmark")
 class StageContext:
     cfg: DictConfig  # the whole resolved config (model, data, target, artifacts, seed, ...)
 
+    @classmethod
+    def compose(cls, artifacts: Path, overrides: list[str] | tuple[str, ...] = ()) -> "StageContext":
+        """The context ``python -m pipeline`` would build for ``artifacts`` and ``overrides`` (no progress
+        bars): how a script in benchmarks/ reads the artifacts and splits the stages use."""
+        from hydra import compose, initialize_config_dir
+
+        from pipeline import CONF_DIR
+        from pipeline.config import register_configs
+
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=[f"artifacts.dir={artifacts}", "progress=false", *overrides])
+        return cls(cfg)
+
     @property
     def artifacts_dir(self) -> Path:
         return Path(self.cfg.artifacts.dir)

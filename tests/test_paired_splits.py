@@ -33,3 +33,13 @@ def test_paired_exact_match_cer_interval_and_the_capped_share():
     assert r["capped_formulas"] == 1 and r["cer_difference_from_capped"] == pytest.approx(6 / 6)
     same = compare(a, a, exact(a), exact(a), [2] * 4, [2] * 4, truths, cap=9)
     assert same["paired_se"] == 0 and same["cer_change_ci95"] == [0.0, 0.0] and same["cer_difference_from_capped"] == 0
+
+
+def test_scripts_compose_the_context_the_cli_builds(tmp_path):
+    """StageContext.compose (benchmarks/ scripts): the CLI's config for an artifacts folder, no progress bars."""
+    from conftest import compose_cfg
+    from pipeline.context import StageContext
+
+    ctx = StageContext.compose(tmp_path, ["stage=quantize", "model.max_length=64"])
+    want = compose_cfg([f"artifacts.dir={tmp_path}", "progress=false", "stage=quantize", "model.max_length=64"])
+    assert ctx.artifacts_dir == tmp_path and ctx.cfg.progress is False and ctx.cfg == want

@@ -699,6 +699,7 @@ def _pareto(folder: Path, table: list[dict]) -> None:
 
 def _write_report(folder: Path, m: dict, plan: Plan) -> None:
     ort_int8 = set(plan.ort_cpu_int8_groups())
+    resolution = resolution_note(m)
     methods = markdown_table(["method", "exact match", "CER", "encoder SNR dB", "identical tokens vs float",
                               "calibration s"],
                              [[r["method"] + (" **(chosen)**" if r["method"] == m["method"] else ""),
@@ -760,7 +761,7 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"MatMul MACs; budget {m['budget']:.3f} exact-match loss vs float: {status}. "
         f"On the search set ({s['search_set']}): float {s['float_exact_match']:.3f} / CER {s['float_cer']:.3f}, "
         f"plan {s['plan_exact_match']:.3f} / {s['plan_cer']:.3f} (ort_cpu graph {s['ort_cpu_exact_match']:.3f}"
-        + ").\n\n" + (f"**Resolution:** {resolution_note(m)}.\n\n" if resolution_note(m) else "")
+        + ").\n\n" + (f"**Resolution:** {resolution}.\n\n" if resolution else "")
         + _decoder_section(m) +
         f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
         f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
