@@ -25,30 +25,28 @@ from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
 from pipeline.metrics import edit_distance, normalize  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
-from pipeline.quantization.measure import read  # noqa: E402
+from pipeline.quantization.measure import Reading, read  # noqa: E402
 
 
-def compare(a_texts, b_texts, a_exact, b_exact, a_steps, b_steps, truths, cap: int, resamples: int = 2000,
-            seed: int = 0) -> dict:
-    """B against A on the same formulas (the numbers this script prints; tested)."""
+def compare(a: Reading, b: Reading, truths, cap: int, resamples: int = 2000, seed: int = 0) -> dict:
+    """B against A on the same formulas (the numbers this script prints; tested). Gained / lost and the
+    paired SE are :meth:`Reading.paired`'s, the ones the quantize stage reports."""
     n = len(truths)
     ref_len = np.array([len(normalize(t)) for t in truths], float)
-    a_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(a_texts, truths)], float)
-    b_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(b_texts, truths)], float)
-    a_ex, b_ex = np.asarray(a_exact, bool), np.asarray(b_exact, bool)
-    gained, lost = int((b_ex & ~a_ex).sum()), int((a_ex & ~b_ex).sum())
-    d = (gained - lost) / n
-    se = float(np.sqrt(max((gained + lost) / n - d * d, 0.0) / n))
+    a_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(a.texts, truths)], float)
+    b_edits = np.array([edit_distance(normalize(p), normalize(t)) for p, t in zip(b.texts, truths)], float)
+    paired = b.paired(a)
     cer_a, cer_b = a_edits.sum() / ref_len.sum(), b_edits.sum() / ref_len.sum()
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, n, size=(resamples, n))
     a_sum, b_sum = a_edits[idx].sum(1), b_edits[idx].sum(1)
     with np.errstate(divide="ignore", invalid="ignore"):  # a resample without A's errors: 0 if B has none too
         ratio = np.where(a_sum > 0, b_sum / np.where(a_sum > 0, a_sum, 1) - 1, np.where(b_sum > 0, np.inf, 0.0))
-    capped = (np.asarray(a_steps) >= cap) | (np.asarray(b_steps) >= cap)
+    capped = (np.asarray(a.steps) >= cap) | (np.asarray(b.steps) >= cap)
     diff = b_edits.sum() - a_edits.sum()
-    return {"n": n, "exact_match_a": float(a_ex.mean()), "exact_match_b": float(b_ex.mean()),
-            "exact_match_change": d, "gained": gained, "lost": lost, "paired_se": se,
+    return {"n": n, "exact_match_a": a.exact_match, "exact_match_b": b.exact_match,
+            "exact_match_change": b.exact_match - a.exact_match, "gained": paired["gained"], "lost": paired["lost"],
+            "paired_se": paired["loss_se"],
             "cer_a": float(cer_a), "cer_b": float(cer_b), "cer_relative_change": float(cer_b / cer_a - 1) if cer_a else 0.0,
             "cer_change_ci95": [float(np.quantile(ratio, q, method="inverted_cdf")) for q in (0.025, 0.975)],
             "capped_formulas": int(capped.sum()),
@@ -75,7 +73,7 @@ def main() -> None:
         truths = [latex for _, latex, _ in items]
         ra, rb = (read(p, None, images, truths, cap, 8) for p in packages)
         row = {"split": split, "a": args.a, "b": args.b,
-               **compare(ra.texts, rb.texts, ra.exact, rb.exact, ra.steps, rb.steps, truths, cap - 1)}
+               **compare(ra, rb, truths, cap - 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     with (args.out or args.artifacts / "paired-splits.jsonl").open("a", encoding="utf-8") as f:

@@ -21,8 +21,11 @@ def test_paired_exact_match_cer_interval_and_the_capped_share():
     truths = ["ab", "cd", "ef", "gh"]
     a = ["ab", "cd", "ex", "gh"]                  # 3 exact; 1 edit
     b = ["ab", "cx", "ef", "ghyyyyyy"]            # 2 exact; 1 + 6 edits, the last one ran to the cap
-    exact = lambda p: [x == t for x, t in zip(p, truths)]  # noqa: E731
-    r = compare(a, b, exact(a), exact(b), [2, 2, 2, 2], [2, 2, 2, 9], truths, cap=9, resamples=500)
+    def reading(p, steps):
+        from pipeline.quantization.measure import Reading
+        return Reading([], p, [x == t for x, t in zip(p, truths)], 0.0, steps)
+
+    r = compare(reading(a, [2, 2, 2, 2]), reading(b, [2, 2, 2, 9]), truths, cap=9, resamples=500)
     assert (r["gained"], r["lost"]) == (1, 2)  # "ef" gained; "cd" and "gh" lost
     assert r["exact_match_change"] == pytest.approx(-0.25)
     assert r["paired_se"] == pytest.approx(np.sqrt((3 / 4 - 0.25 ** 2) / 4))
@@ -31,7 +34,7 @@ def test_paired_exact_match_cer_interval_and_the_capped_share():
     lo, hi = r["cer_change_ci95"]
     assert lo <= r["cer_relative_change"] <= hi  # the paired bootstrap interval holds the estimate
     assert r["capped_formulas"] == 1 and r["cer_difference_from_capped"] == pytest.approx(6 / 6)
-    same = compare(a, a, exact(a), exact(a), [2] * 4, [2] * 4, truths, cap=9)
+    same = compare(reading(a, [2] * 4), reading(a, [2] * 4), truths, cap=9)
     assert same["paired_se"] == 0 and same["cer_change_ci95"] == [0.0, 0.0] and same["cer_difference_from_capped"] == 0
 
 
