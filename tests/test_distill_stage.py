@@ -185,3 +185,40 @@ def test_block_lr_scale_zero_trains_only_the_new_vocabulary_rows(bpe_file):
     train_decoder(student, torch.randn(4, 32, 32), targets, s)
     changed = {k for k, v in student.model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed == {"decoder_embed.token_emb.weight", "lm_head.weight", "lm_head.bias"}
+
+
+def test_teacher_targets_replace_only_readable_misreadings():
+    from pipeline.stages.distill import kd_target
+
+    wrapped = r"\begin{equation*}\begin{array}{c}\scriptstyle \frac{a}{c}\end{array}\end{equation*}"
+    assert kd_target(r"\frac{a}{b}", wrapped, capped=False) == r"\frac{a}{c}"  # misread: the reading, unwrapped
+    assert kd_target(r"\frac{a}{c}", wrapped, capped=False) == r"\frac{a}{c}"  # read right: the formula itself
+    assert kd_target("x^{2}", r"\begin{equation*}x^2\end{equation*}", capped=False) == "x^{2}"
+    assert kd_target("x_i", "x_i x_i x_i x_i", capped=True) == "x_i"  # ran to the cap: the formula
+    assert kd_target("x_i", r"\begin{equation*}\end{equation*}", capped=False) == "x_i"  # empty reading
+
+
+def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp_path, monkeypatch):
+    from pipeline.stages import distill
+    from pipeline.stages.distill import kd_target
+
+    build_tiny().save(tmp_path / "tiny")
+    ctx = fake_ctx(tmp_path, [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}",
+                              "distill.targets=teacher", *SMALL])
+    m = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]
+    [cache] = list((tmp_path / "cache").glob("distill-teacher-*"))
+    readings = json.loads((cache / "readings.json").read_text())
+    assert len(readings["texts"]) == len(readings["capped"]) == m["train_images"] == 20
+    formulas = json.loads(next((tmp_path / "cache").glob("distill-memory-train-*")).joinpath("formulas.json").read_text())
+    want = sum(kd_target(f, r, c) != f for (_, f), r, c in zip(formulas, readings["texts"], readings["capped"]))
+    assert m["targets"] == "teacher" and m["targets_from_teacher"] == want
+    assert "Targets: the char model's readings" in (tmp_path / "distill" / "report.md").read_text()
+    # the tiny model runs every reading to the cap (so every target is the formula): readings that
+    # stopped and misread become targets
+    crafted = ([r"\begin{equation*}x_{9}\end{equation*}"] * 3 + readings["texts"][3:], [False] * 3 + readings["capped"][3:])
+    monkeypatch.setattr(distill, "_teacher_readings", lambda *a, **k: crafted)
+    ctx = fake_ctx(tmp_path, [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}",
+                              "distill.targets=teacher", "distill.name=distill-kd", *SMALL])
+    assert distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]["targets_from_teacher"] == 3
+    with pytest.raises(Exception, match="distill.targets must be one of truth, teacher"):
+        distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.targets=kd"]).cfg.distill), ctx)

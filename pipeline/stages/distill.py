@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 NAME = "distill"
 CONFIG_KEY = "distill"
 TOKENIZER_FILE = "tokenizer.json"
+TARGETS = ("truth", "teacher")
 
 
 @dataclass
@@ -58,6 +59,11 @@ class DistillConfig:
     lr: float = 5e-4                 # AdamW, linear warm-up then cosine decay to a tenth
     warmup: int = 50
     weight_decay: float = 0.01
+    # what the student learns to write for each training image: truth = the formula it was rendered
+    # from; teacher = the char model's own greedy reading of the image (display wrapper stripped)
+    # wherever it differs from the formula and did not run to the cap (sequence-level distillation:
+    # the student is not asked for what the frozen encoder's outputs did not let the char model read)
+    targets: str = "truth"
     block_lr_scale: float = 1.0      # lr factor for the decoder weights copied from the char model (the new
                                      # embedding and output rows always get distill.lr)
     checkpoint_every: int = 100      # steps between resume checkpoints
@@ -85,6 +91,8 @@ def _validate(cfg: DistillConfig) -> None:
         raise PipelineError(f"distill.minutes must be > 0, got {cfg.minutes}")
     if not (cfg.lr > 0 and cfg.weight_decay >= 0 and cfg.block_lr_scale >= 0):
         raise PipelineError("distill.lr must be > 0, distill.weight_decay and distill.block_lr_scale >= 0")
+    if cfg.targets not in TARGETS:
+        raise PipelineError(f"distill.targets must be one of {', '.join(TARGETS)}, got {cfg.targets!r}")
     if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
         raise PipelineError(f"distill.name must be a plain folder name, got {cfg.name!r}")
 
@@ -130,6 +138,40 @@ def _cached_memory(ctx: StageContext, adapter, model_hash: str, name: str, pairs
     return memory, kept, float(out.metrics.get("seconds", 0.0)), out.reused
 
 
+_STYLES = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|scriptscriptstyle)(?![a-zA-Z])")
+
+
+def kd_target(truth: str, reading: str, capped: bool) -> str:
+    """What the student learns for one image under ``distill.targets=teacher``: the formula when the
+    char model read it right (metric-equal) or ran to the cap (a runaway reading teaches nothing),
+    else the char model's reading without its display wrapper, line breaks and style switches (what
+    every metric strips; the truth targets have none of them)."""
+    if capped or M.exact_match(reading, truth):
+        return truth
+    stripped = " ".join(_STYLES.sub(" ", M.strip_display(reading)).split())
+    return stripped or truth
+
+
+def _teacher_readings(ctx: StageContext, teacher, model_hash: str, memory: torch.Tensor,
+                      kept: list[tuple[str, str]], max_length: int, batch: int) -> tuple[list[str], list[bool]]:
+    """The char model's greedy readings of the training images (from their cached encoder outputs),
+    cached under ``<artifacts>/cache/`` like the outputs themselves."""
+    config = {"formulas": sha256_json(kept), "max_length": max_length}
+    with ctx.cache_output(f"distill-teacher-{sha256_json([config, model_hash])[:12]}", config,
+                          {"model": model_hash}) as out:
+        if not out.reused:
+            t0 = time.perf_counter()
+            bar = tqdm(total=len(kept), desc="teacher readings", disable=not ctx.progress)
+            result = teacher.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True,
+                                      progress=bar.update)
+            bar.close()
+            (out.path / "readings.json").write_text(json.dumps(
+                {"texts": result.texts, "capped": [bool(c) for c in result.hit_cap]}, ensure_ascii=False))
+            out.metrics.update({"images": len(kept), "seconds": time.perf_counter() - t0})
+    payload = json.loads((out.path / "readings.json").read_text())
+    return payload["texts"], payload["capped"]
+
+
 def _read(adapter, memory: torch.Tensor, truths: list[str], max_length: int, batch: int) -> dict:
     result = adapter.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True)
     n = len(truths)
@@ -168,7 +210,13 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         mem_train, kept, enc_train_s, train_reused = _cached_memory(ctx, teacher, model_hash, "train", train,
                                                                      batch_size)
         mem_eval, kept_eval, enc_eval_s, _ = _cached_memory(ctx, teacher, model_hash, "eval", evals, batch_size)
-        targets = [student.tokenizer.encode(normalize_formula(latex), max_length=max_length) for _, latex in kept]
+        from_teacher = 0
+        texts = [latex for _, latex in kept]
+        if cfg.targets == "teacher":
+            readings, capped = _teacher_readings(ctx, teacher, model_hash, mem_train, kept, max_length, batch_size)
+            texts = [kd_target(t, r, c) for t, r, c in zip(texts, readings, capped)]
+            from_teacher = sum(t != latex for t, (_, latex) in zip(texts, kept))
+        targets = [student.tokenizer.encode(normalize_formula(t), max_length=max_length) for t in texts]
         truths = [latex for _, latex in kept_eval]
         char_row = _read(teacher, mem_eval, truths, max_length, batch_size)
         del teacher
@@ -195,6 +243,7 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         bpe = {k: v for k, v in final.items() if k != "texts"}
         out.metrics.update({
             "model": model_ref, "tokenizer": str(tok_file), "vocab_size": student.vocab_size,
+            "targets": cfg.targets, "targets_from_teacher": from_teacher,
             "train_images": len(kept), "train_from_split": len([k for k in kept if not k[0].startswith("templated-")]),
             "eval_images": len(truths), "encoder_cache_seconds": enc_train_s + enc_eval_s,
             "encoder_cache_reused": train_reused,
@@ -249,7 +298,10 @@ def _write_report(folder: Path, m: dict, config: dict) -> None:
         f"frozen (outputs cached fp16: {m['encoder_cache_seconds']:.0f} s"
         f"{', reused' if m['encoder_cache_reused'] else ''}), {m['steps']} of {m['steps_planned']} steps in "
         f"{m['training_minutes']:.1f} training minutes, stopped by {stop}{resumed}; this process took "
-        f"{m['stage_minutes']:.1f} min.", "",
+        f"{m['stage_minutes']:.1f} min. Targets: "
+        + ("the formulas." if m.get("targets", "truth") == "truth" else
+           f"the char model's readings where they differ from the formula ({m['targets_from_teacher']} of "
+           f"{m['train_images']} images; elsewhere the formula)."), "",
         f"## First {m['eval_images']} eval formulas (torch, KV cache, greedy)", "",
         markdown_table(["decoder", "exact match", "CER", "steps / formula", "stopped at cap", "decoder s (all)"], rows),
         "",
