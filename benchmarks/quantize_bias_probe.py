@@ -1,11 +1,11 @@
-"""Probe: does bias correction shrink what INT8 projections change in the ort_cpu encoder?
+"""Probe: does bias correction shrink what INT8 projections change in the ort_cpu encoder? (No.)
 
 Every projection INT8 (the stage's graph with the given method and UINT8 activations), then each
 INT8 projection's output mean error, measured on the calibration rows in the QDQ graph itself
 (its float input before QuantizeLinear, times the float weights, against its INT8 output), is
 added to its bias. Reads calibration-split rows calib..rows: float, INT8, INT8 + correction.
 
-    python benchmarks/quantize_bias_probe.py artifacts --model prune
+    python benchmarks/quantize_bias_probe.py artifacts --model prune     # results: docs/quantize.md, session 11
 """
 from __future__ import annotations
 
