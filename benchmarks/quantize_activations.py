@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from calibration import sensitivity  # noqa: E402
-from calibration.calibrators import CalibSetReader, load_calib_set  # noqa: E402
+from calibration.calibrators import CalibSetReader, calib_images, load_calib_set  # noqa: E402
 from pipeline.quantization import qdq, smooth  # noqa: E402
 from pipeline.quantization.graphs import float_graphs  # noqa: E402
 from pipeline.quantization.groups import find_groups  # noqa: E402
@@ -51,9 +51,8 @@ def main() -> None:
     max_length = int(ctx.cfg.model.max_length)
     base = ctx.load_model(args.model)
     calib = load_calib_set(args.artifacts / "calibrate")
-    rows = calib.with_format("numpy", columns=["pixel_values"])
-    images = np.asarray(rows[args.calib:args.rows]["pixel_values"], np.float32)
-    calib_images = torch.from_numpy(np.asarray(rows[:args.calib]["pixel_values"], np.float32))
+    images = calib_images(calib, args.calib, args.rows)
+    calib_rows = torch.from_numpy(calib_images(calib, 0, args.calib))
     truths = calib[args.calib:args.rows]["text"]
     out_path = args.out or args.artifacts / "quantize-activations.jsonl"
     work = Path(tempfile.mkdtemp(prefix="quantize-activations-"))
@@ -61,7 +60,7 @@ def main() -> None:
     try:
         for spec in args.alphas:
             alpha = None if spec == "none" else float(spec)
-            adapter = base if alpha is None else smooth.smoothed_copy(base, calib_images, alpha)[0]
+            adapter = base if alpha is None else smooth.smoothed_copy(base, calib_rows, alpha)[0]
             folder = work / spec
             folder.mkdir()
             graphs = float_graphs(adapter, folder, max_length, f"activations-probe:{args.model}:{spec}", threads=1)

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from calibration import sensitivity  # noqa: E402
-from calibration.calibrators import CalibSetReader, load_calib_set  # noqa: E402
+from calibration.calibrators import CalibSetReader, calib_images, load_calib_set  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.quantization import qdq  # noqa: E402
 from pipeline.quantization.graphs import float_graphs  # noqa: E402
@@ -31,7 +31,7 @@ from pipeline.quantization.groups import find_groups  # noqa: E402
 from pipeline.quantization.measure import encoder_outputs, read  # noqa: E402
 
 
-def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray, skip: set[str] = frozenset()) -> dict:
+def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray) -> dict:
     import onnxruntime as ort
 
     fm = onnx.load(str(float_path))
@@ -74,8 +74,6 @@ def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray, ski
         count += xs.shape[0]
     report = {}
     for n, _, y in targets:
-        if n.name in skip:
-            continue
         c = (sums[n.name] / count).astype(np.float32)
         report[n.name] = float(np.abs(c).mean())
         if n.op_type == "Gemm" and len(n.input) > 2:
@@ -102,7 +100,7 @@ def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray, ski
             for o in g.output:
                 if o.name == y:
                     o.name = y + "_corrected"
-    # topological order: re-sort
+    # the Adds were appended at the end: put the nodes back in topological order
     nodes = list(g.node)
     avail = {i.name for i in g.input} | {i.name for i in g.initializer}
     ordered = []
@@ -115,7 +113,7 @@ def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray, ski
             else:
                 rest.append(n)
         if len(rest) == len(nodes):
-            raise RuntimeError("cycle")
+            raise RuntimeError("the corrected graph has a cycle")
         nodes = rest
     del g.node[:]
     g.node.extend(ordered)
@@ -135,9 +133,8 @@ def main() -> None:
     max_length = int(ctx.cfg.model.max_length)
     adapter = ctx.load_model(args.model)
     calib = load_calib_set(args.artifacts / "calibrate")
-    rows = calib.with_format("numpy", columns=["pixel_values"])
-    images = np.asarray(rows[args.calib:args.rows]["pixel_values"], np.float32)
-    cal_images = np.asarray(rows[:args.calib]["pixel_values"], np.float32)
+    images = calib_images(calib, args.calib, args.rows)
+    cal_images = calib_images(calib, 0, args.calib)
     truths = calib[args.calib:args.rows]["text"]
     work = Path(tempfile.mkdtemp(prefix="bias-probe-"))
     graphs = float_graphs(adapter, work, max_length, f"bias-probe:{args.model}", threads=1)

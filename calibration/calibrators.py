@@ -67,6 +67,12 @@ def load_calib_set(path: str | Path):
     return ds
 
 
+def calib_images(calib_set, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Rows ``start:stop`` of a calibration set as one float32 array ``[n, C, H, W]``."""
+    rows = calib_set.with_format("numpy", columns=[TENSOR_COLUMN])[start:stop][TENSOR_COLUMN]
+    return np.asarray(rows, dtype=np.float32)
+
+
 class CalibSetReader(CalibrationDataReader):
     """Feeds a calib_set to an ORT session in batches: ``{input_name: float32 [B, C, H, W]}``.
 

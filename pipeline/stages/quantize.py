@@ -33,7 +33,7 @@ import onnx
 from tqdm import tqdm
 
 from calibration import sensitivity
-from calibration.calibrators import METHODS, CalibSetReader, load_calib_set
+from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
@@ -214,8 +214,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     acts = given.ort_cpu_activations if given else cfg.ort_cpu_activations
 
     lap('float graphs')
-    rows = calib_set.with_format("numpy", columns=["pixel_values"])
-    search_images = np.asarray(rows[cfg.calib_images:cfg.calib_images + cfg.search_images]["pixel_values"], np.float32)
+    search_images = calib_images(calib_set, cfg.calib_images, cfg.calib_images + cfg.search_images)
     search_truths = calib_set[cfg.calib_images:cfg.calib_images + cfg.search_images]["text"]
     sens_images = search_images[:cfg.sensitivity_images]
     package = graphs.package  # encoder outputs (sensitivity)
@@ -374,9 +373,9 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     # encoder plan in place (the loss is measured against the package with the float decoder)
     decoder_reading, decoder_trace, decoder_sens = None, [], []
     if (given.decoder == "int8") if given else cfg.decoder:
-        dec_rows = slice(cfg.calib_images, cfg.calib_images + cfg.decoder_search_images)
-        dec_images = np.asarray(rows[dec_rows]["pixel_values"], np.float32)
-        dec_truths = calib_set[dec_rows]["text"]
+        dec_end = cfg.calib_images + cfg.decoder_search_images
+        dec_images = calib_images(calib_set, cfg.calib_images, dec_end)
+        dec_truths = calib_set[cfg.calib_images:dec_end]["text"]
         decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
             cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, sens_images, max_length, batch,
             int(mcfg.threads or 0), ctx.progress,
@@ -473,7 +472,7 @@ def _smoothed(adapter, calib_set, rows: int, alpha: float):
 
     from pipeline.quantization import smooth
 
-    images = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:rows]["pixel_values"], np.float32)
+    images = calib_images(calib_set, 0, rows)
     smoothed, report = smooth.smoothed_copy(adapter, torch.from_numpy(images), alpha)
     return smoothed, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
