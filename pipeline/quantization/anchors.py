@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import logging
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import onnx
 
+from calibration import calibrators
 from calibration.calibrators import CalibSetReader
 from pipeline.quantization import qdq
 from pipeline.quantization.groups import find_groups
@@ -61,13 +63,14 @@ def build_all(graphs, workdir: Path, calib_set, calib_images: int, by_name,
     out["ORT quantize_static (defaults)"] = (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
                                             "U8 activations, per-tensor, MinMax")
 
-    out["ModelOpt ONNX INT8"] = _modelopt(graphs.encoder_std, workdir, calib_set, calib_images, tokens, hidden)
+    out[MODELOPT] = _modelopt(graphs.encoder_std, workdir, calib_set, calib_images, tokens, hidden)
     out[NNCF] = _nncf(graphs.encoder_ort, workdir, calib_set, calib_images, tokens, hidden, validate,
                       search_rows, budget)
     return out
 
 
 NNCF = "NNCF quantize_with_accuracy_control"
+MODELOPT = "ModelOpt ONNX INT8"
 
 
 def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int,
@@ -82,8 +85,7 @@ def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: in
         return (None, 0.0, 0.0, "not run: no search set to validate on")
     import nncf
 
-    data = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:calib_images]["pixel_values"],
-                      dtype=np.float32)
+    data = calibrators.calib_images(calib_set, 0, calib_images)
     scratch = workdir / "nncf-validate.onnx"
     current: list = [None]  # the model proto the scratch file holds (NNCF validates one model many times)
 
@@ -111,26 +113,36 @@ def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: in
 
 
 def _modelopt(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int) -> tuple:
+    """ModelOpt's ONNX INT8 with its defaults, in a child process: importing
+    ``modelopt.onnx.quantization`` patches ONNX Runtime's calibrators and quantizer registry for the
+    whole process (``ort_patching.patch_ort_modules``), and every later ``quantize_static`` of ours
+    in it would run on the patched code (the next calibration failed with a TypeError)."""
+    if importlib.util.find_spec("modelopt") is None:
+        return (None, 0.0, 0.0, "not run: modelopt is not installed")
+    data = calibrators.calib_images(calib_set, 0, calib_images)
+    path = workdir / "anchor.modelopt.onnx"
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        error = pool.submit(_modelopt_child, str(encoder), str(path), data).result()
+    if error:
+        return (None, 0.0, 0.0, f"not run: {error}")
+    return (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
+            "calibration_eps=cpu, high_precision_dtype=fp32, opset raised to 19 by ModelOpt")
+
+
+def _modelopt_child(encoder: str, out: str, data) -> Optional[str]:
+    """Runs in the child process: ModelOpt's quantize, its output silenced; an error as one line."""
     try:
         from modelopt.onnx.quantization import quantize as modelopt_quantize
     except ImportError as exc:
-        return (None, 0.0, 0.0, f"not run: modelopt.onnx cannot be imported ({exc.msg.splitlines()[0]})")
-    data = np.asarray(calib_set.with_format("numpy", columns=["pixel_values"])[:calib_images]["pixel_values"],
-                      dtype=np.float32)
-    path = workdir / "anchor.modelopt.onnx"
-    t0 = time.perf_counter()
-    root = logging.getLogger()
-    level = root.level
+        return f"modelopt.onnx cannot be imported ({exc.msg.splitlines()[0]})"
     try:
         # defaults, except: calibrate on the CPU (no GPU here) and keep the float part FP32 (its
         # default FP16 has no fast path in ONNX Runtime on x86)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            modelopt_quantize(str(encoder), quantize_mode="int8", calibration_data={"images": data},
-                              calibration_eps=["cpu"], output_path=str(path), high_precision_dtype="fp32",
+            modelopt_quantize(encoder, quantize_mode="int8", calibration_data={"images": data},
+                              calibration_eps=["cpu"], output_path=out, high_precision_dtype="fp32",
                               log_level="ERROR")
     except Exception as exc:  # modelopt raises many types; the anchor is reported as not run
-        return (None, 0.0, 0.0, f"not run: ModelOpt failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
-    finally:
-        root.setLevel(level)
-    return (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
-            "calibration_eps=cpu, high_precision_dtype=fp32, opset raised to 19 by ModelOpt")
+        return f"ModelOpt failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    return None
