@@ -187,6 +187,24 @@ def test_block_lr_scale_zero_trains_only_the_new_vocabulary_rows(bpe_file):
     assert changed == {"decoder_embed.token_emb.weight", "lm_head.weight", "lm_head.bias"}
 
 
+def test_frozen_cross_attention_keeps_the_char_models_reading_of_the_image(bpe_file):
+    from pipeline.distillation.train import Schedule, train_decoder
+
+    torch.manual_seed(0)
+    student = _student(bpe_file)
+    before = {k: v.clone() for k, v in student.model.state_dict().items()}
+    targets = [student.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:4]]
+    s = Schedule(steps=3, minutes=10, batch=2, lr=1e-2, warmup=1, weight_decay=0.0, eval_every=0,
+                 freeze_cross_attention=True)
+    train_decoder(student, torch.randn(4, 32, 32), targets, s)
+    state = student.model.state_dict()
+    changed = {k for k, v in state.items() if not torch.equal(v, before[k])}
+    cross = {k for k in state if ".cross_attn." in k or ".cross_norm." in k}
+    assert cross and not changed & cross  # frozen
+    assert {k for k in state if k.startswith("decoder_blocks.") and k not in cross} <= changed  # the rest trained
+    assert all(p.requires_grad for p in student.model.parameters())  # given back afterwards
+
+
 def test_teacher_targets_replace_only_readable_misreadings():
     from pipeline.stages.distill import kd_target
 

@@ -121,6 +121,11 @@ class ModelAdapter(abc.ABC):
         :meth:`with_bpe` builds anew; the rest of :meth:`decoder_parameters` is copied."""
         raise PipelineError(f"model family {self.family!r} does not say which parameters hold its vocabulary")
 
+    def cross_attention_parameters(self) -> list[nn.Parameter]:
+        """The decoder's attention over the encoder output, its norms included: what
+        ``distill.freeze_cross_attention`` keeps as the char model learnt it."""
+        raise PipelineError(f"model family {self.family!r} does not say which parameters read the encoder output")
+
     # ---- compute ------------------------------------------------------------------------------
     @abc.abstractmethod
     def encode(self, images: torch.Tensor) -> torch.Tensor:

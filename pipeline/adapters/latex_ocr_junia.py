@@ -275,6 +275,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     def vocabulary_parameters(self) -> list[torch.nn.Parameter]:
         return [self.model.decoder_embed.token_emb.weight, *self.model.lm_head.parameters()]
 
+    def cross_attention_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for blk in self.model.decoder_blocks for p in (*blk.cross_norm.parameters(),
+                                                                  *blk.cross_attn.parameters())]
+
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:
         return [int(block.attn.num_heads) for block in self.model.encoder_blocks]

@@ -35,6 +35,7 @@ class Schedule:
     checkpoint_every: int = 100
     eval_every: int = 250  # steps between learning-curve points (0 = only at the start and the end)
     block_lr_scale: float = 1.0  # learning-rate factor for the copied decoder weights (the new rows get lr)
+    freeze_cross_attention: bool = False  # the attention over the encoder output stays the char model's
 
 
 @functools.lru_cache(maxsize=4)
@@ -80,6 +81,12 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
     Returns ``{"steps", "stopped_by", "minutes", "resumed_at", "curve", "losses"}``."""
     model = student.model
     params = student.decoder_parameters()
+    frozen = student.cross_attention_parameters() if s.freeze_cross_attention else []
+    if frozen:
+        ids = {id(p) for p in frozen}
+        params = [p for p in params if id(p) not in ids]
+        for p in frozen:  # no gradient for them: the backward pass skips their weight gradients
+            p.requires_grad_(False)
     fresh = {id(p) for p in student.vocabulary_parameters()} if s.block_lr_scale != 1.0 else set()
     groups = [{"params": [p for p in params if id(p) in fresh or not fresh], "scale": 1.0}]
     if fresh:
@@ -142,6 +149,8 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
     finally:
         bar.close()
         model.eval()
+        for p in frozen:
+            p.requires_grad_(True)
     if not curve or curve[-1]["step"] != step:
         point()
     return {"steps": step, "stopped_by": stopped_by, "minutes": seconds / 60, "resumed_at": resumed,

@@ -64,6 +64,9 @@ class DistillConfig:
     # wherever it differs from the formula and did not run to the cap (sequence-level distillation:
     # the student is not asked for what the frozen encoder's outputs did not let the char model read)
     targets: str = "truth"
+    # the decoder's attention over the encoder output (and its norms) left as the char model learnt
+    # it: the student learns which tokens to write, not how to read the image anew
+    freeze_cross_attention: bool = False
     block_lr_scale: float = 1.0      # lr factor for the decoder weights copied from the char model (the new
                                      # embedding and output rows always get distill.lr)
     checkpoint_every: int = 100      # steps between resume checkpoints
@@ -224,7 +227,7 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         schedule = Schedule(steps=cfg.steps, minutes=cfg.minutes, batch=cfg.batch, lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup=cfg.warmup, seed=ctx.seed,
                             checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
-                            block_lr_scale=cfg.block_lr_scale)
+                            block_lr_scale=cfg.block_lr_scale, freeze_cross_attention=cfg.freeze_cross_attention)
         torch.manual_seed(ctx.seed)  # dropout
         resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         evaluate = lambda: {k: v for k, v in _read(student, mem_eval, truths, max_length, batch_size).items()  # noqa: E731
