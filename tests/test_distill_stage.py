@@ -173,32 +173,27 @@ def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokeniz
         distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.steps=0"]).cfg.distill), ctx)
 
 
-def test_block_lr_scale_zero_trains_only_the_new_vocabulary_rows(bpe_file):
+def _train_three_steps(bpe_file, **schedule):
+    """A tiny student trained 3 steps with ``schedule``'s options -> (student, names of the weights that changed)."""
     from pipeline.distillation.train import Schedule, train_decoder
 
     torch.manual_seed(0)
     student = _student(bpe_file)
     before = {k: v.clone() for k, v in student.model.state_dict().items()}
     targets = [student.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:4]]
-    s = Schedule(steps=3, minutes=10, batch=2, lr=1e-2, warmup=1, weight_decay=0.0, eval_every=0,
-                 block_lr_scale=0.0)
+    s = Schedule(steps=3, minutes=10, batch=2, lr=1e-2, warmup=1, weight_decay=0.0, eval_every=0, **schedule)
     train_decoder(student, torch.randn(4, 32, 32), targets, s)
-    changed = {k for k, v in student.model.state_dict().items() if not torch.equal(v, before[k])}
+    return student, {k for k, v in student.model.state_dict().items() if not torch.equal(v, before[k])}
+
+
+def test_block_lr_scale_zero_trains_only_the_new_vocabulary_rows(bpe_file):
+    _, changed = _train_three_steps(bpe_file, block_lr_scale=0.0)
     assert changed == {"decoder_embed.token_emb.weight", "lm_head.weight", "lm_head.bias"}
 
 
 def test_frozen_cross_attention_keeps_the_char_models_reading_of_the_image(bpe_file):
-    from pipeline.distillation.train import Schedule, train_decoder
-
-    torch.manual_seed(0)
-    student = _student(bpe_file)
-    before = {k: v.clone() for k, v in student.model.state_dict().items()}
-    targets = [student.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:4]]
-    s = Schedule(steps=3, minutes=10, batch=2, lr=1e-2, warmup=1, weight_decay=0.0, eval_every=0,
-                 freeze_cross_attention=True)
-    train_decoder(student, torch.randn(4, 32, 32), targets, s)
+    student, changed = _train_three_steps(bpe_file, freeze_cross_attention=True)
     state = student.model.state_dict()
-    changed = {k for k, v in state.items() if not torch.equal(v, before[k])}
     cross = {k for k in state if ".cross_attn." in k or ".cross_norm." in k}
     assert cross and not changed & cross  # frozen
     assert {k for k in state if k.startswith("decoder_blocks.") and k not in cross} <= changed  # the rest trained
