@@ -100,23 +100,10 @@ def correct(float_path: Path, qdq_path: Path, out: Path, images: np.ndarray) -> 
             for o in g.output:
                 if o.name == y:
                     o.name = y + "_corrected"
-    # the Adds were appended at the end: put the nodes back in topological order
-    nodes = list(g.node)
-    avail = {i.name for i in g.input} | {i.name for i in g.initializer}
-    ordered = []
-    while nodes:
-        rest = []
-        for n in nodes:
-            if all((not i) or i in avail for i in n.input):
-                ordered.append(n)
-                avail.update(n.output)
-            else:
-                rest.append(n)
-        if len(rest) == len(nodes):
-            raise RuntimeError("the corrected graph has a cycle")
-        nodes = rest
-    del g.node[:]
-    g.node.extend(ordered)
+    # the Adds were appended at the end: ONNX Runtime's graph helper puts them back in order
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    OnnxModel(m).topological_sort()
     onnx.save(m, str(out))
     return report
 
@@ -136,26 +123,27 @@ def main() -> None:
     images = calib_images(calib, args.calib, args.rows)
     cal_images = calib_images(calib, 0, args.calib)
     truths = calib[args.calib:args.rows]["text"]
-    work = Path(tempfile.mkdtemp(prefix="bias-probe-"))
-    graphs = float_graphs(adapter, work, max_length, f"bias-probe:{args.model}", threads=1)
-    readers = graphs.open_readers(1, 2)
-    fr = read(readers, graphs.encoder_ort, images, truths, max_length, 16)
-    ref = encoder_outputs(graphs.package, graphs.encoder_ort, images[:16])
-    print(json.dumps({"variant": "float", "em": fr.exact_match, "cer": fr.cer}), flush=True)
-    nodes = [g.node for g in find_groups(onnx.load(str(graphs.encoder_ort))) if g.kind == "weights"]
-    for method in args.methods:
-        cache = work / f"ranges.{method}.json"
-        qdq.calibrate(graphs.encoder_ort, CalibSetReader(calib, "images", batch_size=8, limit=args.calib), method, cache)
-        plain = work / f"enc.{method}.onnx"
-        qdq.quantize(graphs.encoder_ort, plain, cache, method, nodes, "uint8")
-        fixed = work / f"enc.{method}.bc.onnx"
-        corr = correct(graphs.encoder_ort, plain, fixed, cal_images)
-        for tag, enc in (("int8", plain), ("int8+bc", fixed)):
-            r = read(readers, enc, images, truths, max_length, 16)
-            snr = sensitivity.SNR().score(ref, encoder_outputs(graphs.package, enc, images[:16]))
-            print(json.dumps({"variant": f"{method} {tag}", "em": r.exact_match, "cer": r.cer, "snr_db": snr,
-                              "identical": r.identical_to(fr), **r.paired(fr)}), flush=True)
-        print(json.dumps({"corrections_mean_abs": corr}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="bias-probe-") as tmp:
+        work = Path(tmp)
+        graphs = float_graphs(adapter, work, max_length, f"bias-probe:{args.model}", threads=1)
+        readers = graphs.open_readers(1, 2)
+        fr = read(readers, graphs.encoder_ort, images, truths, max_length, 16)
+        ref = encoder_outputs(graphs.package, graphs.encoder_ort, images[:16])
+        print(json.dumps({"variant": "float", "em": fr.exact_match, "cer": fr.cer}), flush=True)
+        nodes = [g.node for g in find_groups(onnx.load(str(graphs.encoder_ort))) if g.kind == "weights"]
+        for method in args.methods:
+            cache = work / f"ranges.{method}.json"
+            qdq.calibrate(graphs.encoder_ort, CalibSetReader(calib, "images", batch_size=8, limit=args.calib), method, cache)
+            plain = work / f"enc.{method}.onnx"
+            qdq.quantize(graphs.encoder_ort, plain, cache, method, nodes, "uint8")
+            fixed = work / f"enc.{method}.bc.onnx"
+            corr = correct(graphs.encoder_ort, plain, fixed, cal_images)
+            for tag, enc in (("int8", plain), ("int8+bc", fixed)):
+                r = read(readers, enc, images, truths, max_length, 16)
+                snr = sensitivity.SNR().score(ref, encoder_outputs(graphs.package, enc, images[:16]))
+                print(json.dumps({"variant": f"{method} {tag}", "em": r.exact_match, "cer": r.cer, "snr_db": snr,
+                                  "identical": r.identical_to(fr), **r.paired(fr)}), flush=True)
+            print(json.dumps({"corrections_mean_abs": corr}), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,24 +63,25 @@ def main() -> None:
                           args.limit, True, args.split)
     images = np.stack([x for _, _, x in items]).astype(np.float32)
     truths = [latex for _, latex, _ in items]
-    work = Path(tempfile.mkdtemp(prefix="plan-curve-"))
-    graphs = float_graphs(adapter, work, max_length, f"plan-curve:{args.model}", threads=1)
-    readers = graphs.open_readers(1, 2)
-    groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort))) if g.kind == "weights"}
-    order = ort_ranking(plan, set(groups))
-    calib = load_calib_set(args.artifacts / "calibrate")
-    cache = work / "ranges.json"
-    qdq.calibrate(graphs.encoder_ort, CalibSetReader(calib, "images", batch_size=8, limit=args.calib), args.method, cache)
-    fr = read(readers, graphs.encoder_ort, images, truths, max_length, 16)
-    print(json.dumps({"split": args.split, "n": len(truths), "float": fr.exact_match, "float_cer": fr.cer,
-                      "ranking": order}), flush=True)
-    for k in args.ks:
-        enc = work / f"enc.{k}.onnx"
-        qdq.quantize(graphs.encoder_ort, enc, cache, args.method, [groups[n].node for n in order[k:]], "uint8")
-        r = read(readers, enc, images, truths, max_length, 16)
-        print(json.dumps({"k_float": k, "int8": len(order) - k, "exact_match": r.exact_match, "cer": r.cer,
-                          "loss_points": round(100 * (fr.exact_match - r.exact_match), 2),
-                          "identical": r.identical_to(fr), **r.paired(fr), "float_now": order[:k]}), flush=True)
+    with tempfile.TemporaryDirectory(prefix="plan-curve-") as tmp:
+        work = Path(tmp)
+        graphs = float_graphs(adapter, work, max_length, f"plan-curve:{args.model}", threads=1)
+        readers = graphs.open_readers(1, 2)
+        groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort))) if g.kind == "weights"}
+        order = ort_ranking(plan, set(groups))
+        calib = load_calib_set(args.artifacts / "calibrate")
+        cache = work / "ranges.json"
+        qdq.calibrate(graphs.encoder_ort, CalibSetReader(calib, "images", batch_size=8, limit=args.calib), args.method, cache)
+        fr = read(readers, graphs.encoder_ort, images, truths, max_length, 16)
+        print(json.dumps({"split": args.split, "n": len(truths), "float": fr.exact_match, "float_cer": fr.cer,
+                          "ranking": order}), flush=True)
+        for k in args.ks:
+            enc = work / f"enc.{k}.onnx"
+            qdq.quantize(graphs.encoder_ort, enc, cache, args.method, [groups[n].node for n in order[k:]], "uint8")
+            r = read(readers, enc, images, truths, max_length, 16)
+            print(json.dumps({"k_float": k, "int8": len(order) - k, "exact_match": r.exact_match, "cer": r.cer,
+                              "loss_points": round(100 * (fr.exact_match - r.exact_match), 2),
+                              "identical": r.identical_to(fr), **r.paired(fr), "float_now": order[:k]}), flush=True)
 
 
 if __name__ == "__main__":
