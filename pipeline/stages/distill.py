@@ -34,7 +34,7 @@ from pipeline import metrics as M
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
-from pipeline.data.templates import templated_formulas
+from pipeline.data.templates import templated_formulas, varied_formulas
 from pipeline.distillation.train import Schedule, train_decoder
 from pipeline.errors import PipelineError
 from pipeline.reports import markdown_table, savefig
@@ -52,7 +52,10 @@ class DistillConfig:
     model: str = "auto"              # the char model: auto = prune's when its artifact exists, else the original
     tokenizer: str = "tokenizer"     # the BPE: a tokenizer stage's folder name, a folder or a tokenizer.json
     train_images: Optional[int] = None  # train-split formulas rendered (null = all of them) ...
-    templated: int = 512             # ... plus this many from the templated generator
+    templated: int = 512             # ... plus this many from the templated generator ...
+    varied: int = 0                  # ... plus this many random formulas from the varied grammar
+                                     # (pipeline/data/templates.py: notation the train split has, in
+                                     # combinations no docstring suggests)
     steps: int = 5000                # optimizer steps: the run is a function of these and the seed ...
     minutes: float = 40.0            # ... unless this wall-clock cap on the training steps comes first
     batch: int = 16
@@ -85,7 +88,7 @@ def _validate(cfg: DistillConfig) -> None:
     for key in ("steps", "batch", "eval_images"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"distill.{key} must be >= 1, got {getattr(cfg, key)}")
-    for key in ("templated", "warmup", "checkpoint_every", "eval_every"):
+    for key in ("templated", "varied", "warmup", "checkpoint_every", "eval_every"):
         if getattr(cfg, key) < 0:
             raise PipelineError(f"distill.{key} must be >= 0, got {getattr(cfg, key)}")
     if cfg.train_images is not None and cfg.train_images < 0:
@@ -196,10 +199,12 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     config.pop("in_chain")  # where the chain takes the model from, not how it is made
     train = [(f.id, f.latex) for f in ctx.split("train")][:cfg.train_images]
     train += [(f"templated-{i}", t) for i, t in enumerate(templated_formulas(cfg.templated, seed=ctx.seed))]
-    if not train:
-        raise PipelineError("distill: no training formulas (distill.train_images=0 and distill.templated=0)")
+    varied = [(f"varied-{i}", t) for i, t in enumerate(varied_formulas(cfg.varied, seed=ctx.seed))]
+    if not train and not varied:
+        raise PipelineError("distill: no training formulas (distill.train_images=0, distill.templated=0 and "
+                            "distill.varied=0)")
     evals = [(f.id, f.latex) for f in ctx.split("eval")][:cfg.eval_images]
-    inputs = {"model": model_hash, "tokenizer": file_hash(tok_file), "train": sha256_json(train),
+    inputs = {"model": model_hash, "tokenizer": file_hash(tok_file), "train": sha256_json(train + varied),
               "eval": sha256_json(evals)}
     with ctx.output(name, config, inputs) as out:
         if out.reused:
@@ -212,6 +217,12 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         student = teacher.with_bpe(tok_file)
         mem_train, kept, enc_train_s, train_reused = _cached_memory(ctx, teacher, model_hash, "train", train,
                                                                      batch_size)
+        if varied:  # cached on its own: the split's and the templated formulas' cache stays valid
+            mem_varied, kept_varied, enc_varied_s, _ = _cached_memory(ctx, teacher, model_hash, "varied", varied,
+                                                                      batch_size)
+            mem_train, kept = torch.cat([mem_train, mem_varied]), kept + kept_varied
+            enc_train_s += enc_varied_s
+            del mem_varied
         mem_eval, kept_eval, enc_eval_s, _ = _cached_memory(ctx, teacher, model_hash, "eval", evals, batch_size)
         from_teacher = 0
         texts = [latex for _, latex in kept]
@@ -247,7 +258,9 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         out.metrics.update({
             "model": model_ref, "tokenizer": str(tok_file), "vocab_size": student.vocab_size,
             "targets": cfg.targets, "targets_from_teacher": from_teacher,
-            "train_images": len(kept), "train_from_split": len([k for k in kept if not k[0].startswith("templated-")]),
+            "train_images": len(kept),
+            "train_from_split": len([k for k in kept if not k[0].startswith(("templated-", "varied-"))]),
+            "train_varied": len([k for k in kept if k[0].startswith("varied-")]),
             "eval_images": len(truths), "encoder_cache_seconds": enc_train_s + enc_eval_s,
             "encoder_cache_reused": train_reused,
             "steps": trained["steps"], "steps_planned": cfg.steps, "stopped_by": trained["stopped_by"],
@@ -297,7 +310,9 @@ def _write_report(folder: Path, m: dict, config: dict) -> None:
     text = [
         "# Stage distill: a BPE decoder from the char model", "",
         f"Student of `{m['model']}` with the BPE `{m['tokenizer']}` ({m['vocab_size']} entries). Trained on "
-        f"{m['train_images']} rendered formulas ({m['train_from_split']} train split + templated), encoder "
+        f"{m['train_images']} rendered formulas ({m['train_from_split']} from the train split, "
+        f"{m['train_images'] - m['train_from_split'] - m.get('train_varied', 0)} templated, "
+        f"{m.get('train_varied', 0)} from the varied grammar), encoder "
         f"frozen (outputs cached fp16: {m['encoder_cache_seconds']:.0f} s"
         f"{', reused' if m['encoder_cache_reused'] else ''}), {m['steps']} of {m['steps_planned']} steps in "
         f"{m['training_minutes']:.1f} training minutes, stopped by {stop}{resumed}; this process took "
