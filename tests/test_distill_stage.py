@@ -85,6 +85,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, t
 
 
 SMALL = ["model.max_length=24", "model.batch_size=4", "distill.steps=4", "distill.batch=4", "distill.templated=4",
+         "distill.varied=3",
          "distill.eval_images=4", "distill.eval_every=2", "distill.checkpoint_every=2", "distill.warmup=1"]
 
 
@@ -101,7 +102,8 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     folder = tmp_path / "distill"
     m = manifest["metrics"]
     assert m["steps"] == 4 and m["stopped_by"] == "steps" and [p["step"] for p in m["curve"]] == [0, 2, 4]
-    assert m["train_images"] == 16 + 4 and m["train_from_split"] == 16  # tiny train split + templated
+    assert m["train_images"] == 16 + 4 + 3 and m["train_from_split"] == 16  # tiny train split + templated + varied
+    assert m["train_varied"] == 3 and list((tmp_path / "cache").glob("distill-memory-varied-*"))
     assert (folder / "learning_curve.png").stat().st_size > 0 and "Learning curve" in (folder / "report.md").read_text()
     assert not list((tmp_path / ".resume").glob("distill-*"))  # checkpoints go once the artifact is complete
     assert (folder / "model" / "tokenizer.json").read_bytes() == bpe_file.read_bytes()

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from pipeline.data.render import PX_PER_EM, RenderError, render_formula
-from pipeline.data.templates import templated_formulas
+from pipeline.data.templates import templated_formulas, varied_formulas
 from pipeline.metrics import exact_match
 
 
@@ -87,3 +87,15 @@ def test_render_inputs_keeps_order_honours_the_limit_and_names_the_skipped(caplo
     assert all(isinstance(size, tuple) for _, _, size in items)
     assert [r.getMessage() for r in caplog.records] == [
         "evaluate file f.txt: skipped 1 formula(s) mathtext cannot render: bad"]
+
+
+def test_varied_formulas_are_seeded_short_distinct_and_render():
+    """The varied grammar (distill.varied): the same seed gives the same formulas, another seed others;
+    none longer than its cap, nearly all distinct, and mathtext renders every one (a command is never
+    glued to a following letter, ``\\alphax``)."""
+    a, b = varied_formulas(60, seed=1), varied_formulas(60, seed=2)
+    assert a == varied_formulas(60, seed=1) and a != b
+    assert all(len(f) <= 64 for f in a) and len(set(a)) >= 57
+    assert all(len(f) <= 30 for f in varied_formulas(20, seed=1, max_chars=30))
+    for f in a:
+        render_formula(f)
