@@ -74,18 +74,18 @@ def varied_formulas(n: int, seed: int = 0, max_chars: int = 64) -> list[str]:
 
     def factor(depth: int) -> str:
         r = rng.random()
-        if depth <= 0 or r < 0.6:
+        if depth <= 0 or r < 0.5:
             s = symbol()
             if rng.random() < 0.12 and s.isalpha() and len(s) == 1:
                 s = f"{rng.choice(_STYLES)}{{{s}}}"
             return script(s)
-        if r < 0.57:
+        if r < 0.62:
             return f"\\frac{{{expr(depth - 1, 2)}}}{{{expr(depth - 1, 2)}}}"
-        if r < 0.64:
+        if r < 0.68:
             return f"\\sqrt{{{expr(depth - 1, 2)}}}"
-        if r < 0.78:
+        if r < 0.8:
             return f"{rng.choice(_FUNCTIONS)}({expr(depth - 1, 2)})"
-        if r < 0.88:
+        if r < 0.89:
             i = rng.choice("ijkn")
             op = rng.choice([r"\sum", r"\sum", r"\prod", r"\int"])
             lims = (f"_{{{i}=0}}^{{{rng.choice(_UPPER)}}}" if op != r"\int"
