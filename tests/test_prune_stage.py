@@ -73,10 +73,14 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
 
 def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     _, manifest = _run(tmp_path, tiny_folder, "prune.flops_reduction=0.1", "prune.iterations=2",
-                       "prune.compare_random=false", "prune.finetune_steps=0", "prune.name=prune-f10")
+                       "prune.compare_random=false", "prune.finetune_steps=0", "prune.name=prune-f10",
+                       "prune.refit_varied=3")
     m = manifest["metrics"]
     assert m["flops_reduction"] >= 0.1
     assert len(m["recovery"]["rounds"]) == 2
+    # the varied grammar's images join the train images in every round's refit
+    assert [r["refit_images"] for r in m["recovery"]["rounds"]] == [4 + 3, 4 + 3]
+    assert manifest["config"]["refit_varied"] == 3
     assert (tmp_path / "prune-f10" / "model" / "config.json").is_file()
     assert not (tmp_path / "prune").exists()
 
@@ -91,6 +95,7 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     ("prune.distill_lr=0", "prune.lr and prune.distill_lr must be > 0"),
     ("prune.distill_epochs=-1", "prune.distill_epochs, prune.distill_minutes"),
     ("prune.ridge=-0.1", "prune.ridge must be >= 0"),
+    ("prune.refit_varied=-1", "prune.refit_varied must be >= 0"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext
 from pipeline.data.render import render_inputs
+from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items
 from pipeline.pruning import count, recover, scores as head_scores, select
@@ -52,7 +53,10 @@ class PruneConfig:
     normalize: str = "layer"         # layer | global: how scores compare across layers
     score_images: int = 16           # rendered train formulas for gradient and ablation scores
     recovery: bool = True            # distill the pruned model from the original
-    refit_images: int = 128          # train formulas for the closed-form output-projection refit
+    refit_images: int = 128          # train formulas for the closed-form output-projection refit ...
+    refit_varied: int = 0            # ... plus this many random formulas of the varied grammar
+                                     # (pipeline/data/templates.py): the refit needs no labels, so any
+                                     # image the model may meet can show it what to preserve
     # refit regularization (towards the current weights), relative to the mean feature energy; 1e-1,
     # not 1e-3: the looser fit tracked the train images' style and lost CER on the shift split
     # (docs/prune.md, "On formulas training never saw"); chosen on eval + held-out calib images
@@ -103,6 +107,8 @@ def _validate(cfg: PruneConfig) -> None:
     for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "iterations", "latency_images"):
         if getattr(cfg, key) < (0 if key == "latency_images" else 1):
             raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
+    if cfg.refit_varied < 0:
+        raise PipelineError(f"prune.refit_varied must be >= 0, got {cfg.refit_varied}")
     if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0 or cfg.distill_epochs < 0 or cfg.distill_minutes < 0:
         raise PipelineError("prune.distill_epochs, prune.distill_minutes, prune.finetune_steps and "
                             "prune.finetune_minutes must be >= 0")
@@ -185,6 +191,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
               "max_length": max_length, "batch_size": batch_size}
+    if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
+        config.pop("refit_varied")
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
     if "shift" in cfg.eval_splits:  # after the head scores: their cache does not depend on it
         inputs["shift"] = sha256_json([(f.id, f.latex) for f in ctx.split("shift")])
@@ -208,6 +216,11 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
                     cfg.finetune_images if cfg.finetune_steps else 0)
         train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
             if cfg.recovery and n_remove else (torch.zeros(0), [], [])
+        refit_extra = None
+        if cfg.refit_varied and cfg.recovery and n_remove:
+            varied = render_inputs(list(enumerate(varied_formulas(cfg.refit_varied, ctx.seed))), original.preprocess,
+                                   None, ctx.progress, "render varied")
+            refit_extra = torch.stack([x for _, _, x in varied])
         eval_items = _eval_items(cfg, ctx, original)
 
         variants: dict[str, dict] = {}
@@ -220,14 +233,14 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         recovery_log: dict = {}
         if cfg.recovery and n_remove:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log, resume / "pruned")
+                                        recovery_log, resume / "pruned", refit_extra)
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
             rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log, resume / "random") \
+                                     train_latex, rnd_log, resume / "random", refit_extra) \
                 if cfg.recovery else _removed(original, random_removed)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
@@ -282,8 +295,10 @@ def _removed(adapter, heads):
 
 
 def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
-                       images: torch.Tensor, latex: list[str], log: dict, resume: Path):
-    """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each."""
+                       images: torch.Tensor, latex: list[str], log: dict, resume: Path,
+                       refit_extra: Optional[torch.Tensor] = None):
+    """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each;
+    ``refit_extra``: more images for the refit alone (the varied grammar's)."""
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
@@ -304,8 +319,9 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
         entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
         refit_n = min(cfg.refit_images, len(images))
         t0 = time.process_time()
-        entry["refit"] = recover.refit(student, original, images[:refit_n], layers, ridge=cfg.ridge,
-                                       progress=ctx.progress)
+        fit = images[:refit_n] if refit_extra is None else torch.cat([images[:refit_n], refit_extra])
+        entry["refit"] = recover.refit(student, original, fit, layers, ridge=cfg.ridge, progress=ctx.progress)
+        entry["refit_images"] = len(fit)
         entry["refit_cpu_seconds"] = time.process_time() - t0
         t0 = time.process_time()
         entry["distill"] = recover.distill(
