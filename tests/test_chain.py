@@ -104,7 +104,7 @@ def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_
     (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
     ctx = fake_ctx(tmp_path, [f"prune.model={original}", f"export.formulas={tmp_path / 'formulas.txt'}", *CHAIN,
                               "distill.in_chain=true", "distill.steps=2", "distill.batch=4", "distill.templated=0",
-                              "distill.eval_images=2", "distill.eval_every=0"])
+                              "distill.varied=0", "distill.eval_images=2", "distill.eval_every=0"])
     done = {name: mod.run(OmegaConf.to_object(ctx.cfg[name]), ctx)
             for name, mod in (("prune", prune), ("distill", distill), ("quantize", quantize), ("export", export))}
     assert done["distill"]["config"]["model_ref"] == "prune"      # the student of the pruned model

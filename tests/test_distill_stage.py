@@ -223,8 +223,9 @@ def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp
     m = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]
     [cache] = list((tmp_path / "cache").glob("distill-teacher-*"))
     readings = json.loads((cache / "readings.json").read_text())
-    assert len(readings["texts"]) == len(readings["capped"]) == m["train_images"] == 20
-    formulas = json.loads(next((tmp_path / "cache").glob("distill-memory-train-*")).joinpath("formulas.json").read_text())
+    assert len(readings["texts"]) == len(readings["capped"]) == m["train_images"] == 16 + 4 + 3
+    formulas = [f for name in ("train", "varied") for f in json.loads(
+        next((tmp_path / "cache").glob(f"distill-memory-{name}-*")).joinpath("formulas.json").read_text())]
     want = sum(kd_target(f, r, c) != f for (_, f), r, c in zip(formulas, readings["texts"], readings["capped"]))
     assert m["targets"] == "teacher" and m["targets_from_teacher"] == want
     assert "Targets: the char model's readings" in (tmp_path / "distill" / "report.md").read_text()
