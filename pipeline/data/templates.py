@@ -46,8 +46,9 @@ _UPPER, _FROM, _TO = ["n", "N", "n-1", r"\infty"], ["0", "a", r"-\infty"], ["1",
 
 def varied_formulas(n: int, seed: int = 0, max_chars: int = 64) -> list[str]:
     """``n`` random formulas from a small grammar: sums of products of symbols, scripts, fractions,
-    roots, functions, big operators, accents and fonts, in one or two relations (``f(x_{i}) =
-    \\sum_{k=0}^{n} \\frac{a_{k}}{k!}``). Formulas the model reads are made of these pieces; drawn at
+    roots, functions, big operators, brackets, accents and fonts, in at most one relation
+    (``\\sqrt{Z} > \\mathbf{u}q``, ``\\exp(8w) > \\frac{z_{n}}{44a_{0} \\pm 7q_{2k}} \\times \\Gamma_{2k}``),
+    at most ``max_chars`` characters. Formulas the model reads are made of these pieces; drawn at
     random they cannot be guessed from the formulas around them, so a decoder trained on them must read
     the image (the training split's formulas alone teach a decoder what docstring formulas say)."""
     rng = random.Random(seed)

@@ -5,7 +5,7 @@ artifact exists, else the original; ``distill.model`` overrides) and the tokeniz
 builds a student with the BPE vocabulary: every block copied, each BPE token's embedding and output
 row made from the char pieces it is spelled with (``pipeline/distillation/student.py``). The
 encoder is frozen: its outputs for the rendered train-split formulas plus the templated generator
-are computed once and cached (fp16 on disk, ``<artifacts>/cache/``), and the decoder learns the
+and the varied grammar (``pipeline/data/templates.py``) are computed once and cached (fp16 on disk, ``<artifacts>/cache/``), and the decoder learns the
 plain formula (normalized, no display wrapper) in BPE ids from them. Training is bounded
 (``distill.steps``, and ``distill.minutes`` of wall time) and resumable (atomic checkpoints every
 ``distill.checkpoint_every`` steps under ``<artifacts>/.resume/``). Writes ``<artifacts>/distill/``:
