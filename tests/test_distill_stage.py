@@ -213,6 +213,25 @@ def test_teacher_targets_replace_only_readable_misreadings():
     assert kd_target("x_i", r"\begin{equation*}\end{equation*}", capped=False) == "x_i"  # empty reading
 
 
+def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file, tmp_path, monkeypatch):
+    from pipeline.stages import distill
+
+    monkeypatch.setattr(distill, "VARIED_CHUNK", 2)
+    build_tiny().save(tmp_path / "tiny")
+    base = [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}", *SMALL, "distill.steps=1"]
+    m = distill.run(OmegaConf.to_object(fake_ctx(tmp_path, base).cfg.distill), fake_ctx(tmp_path, base))["metrics"]
+    first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("distill-memory-varied-*")}
+    assert m["train_varied"] == 3 and len(first) == 2  # formulas 0-1, then 2
+    more = [*base, "distill.varied=5", "distill.name=distill-more"]
+    m = distill.run(OmegaConf.to_object(fake_ctx(tmp_path, more).cfg.distill), fake_ctx(tmp_path, more))["metrics"]
+    after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("distill-memory-varied-*")}
+    assert m["train_varied"] == 5 and len(after) == 4  # 0-1 reused; 2-3 and 4 are new
+    assert all(after[name] == first[name] for name in first)  # nothing computed again
+    kept = [f for p in sorted((tmp_path / "cache").glob("distill-memory-varied-*")) if p.name not in first
+            for f in json.loads((p / "formulas.json").read_text())]
+    assert sorted(i for i, _ in kept) == ["varied-2", "varied-3", "varied-4"]
+
+
 def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp_path, monkeypatch):
     from pipeline.stages import distill
     from pipeline.stages.distill import kd_target

@@ -45,6 +45,7 @@ NAME = "distill"
 CONFIG_KEY = "distill"
 TOKENIZER_FILE = "tokenizer.json"
 TARGETS = ("truth", "teacher")
+VARIED_CHUNK = 1000  # varied-grammar formulas per encoder-output cache file
 
 
 @dataclass
@@ -219,12 +220,18 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         student = teacher.with_bpe(tok_file)
         mem_train, kept, enc_train_s, train_reused = _cached_memory(ctx, teacher, model_hash, "train", train,
                                                                      batch_size)
-        if varied:  # cached on its own: the split's and the templated formulas' cache stays valid
-            mem_varied, kept_varied, enc_varied_s, _ = _cached_memory(ctx, teacher, model_hash, "varied", varied,
-                                                                      batch_size)
-            mem_train, kept = torch.cat([mem_train, mem_varied]), kept + kept_varied
-            enc_train_s += enc_varied_s
-            del mem_varied
+        # the varied grammar's outputs are cached on their own, VARIED_CHUNK formulas a file: the split's
+        # cache stays valid, and a larger distill.varied (the grammar's draws are a prefix of any larger
+        # one's with the same seed) reuses every chunk already computed
+        parts = [mem_train]
+        for i in range(0, len(varied), VARIED_CHUNK):
+            mem_chunk, kept_chunk, chunk_s, _ = _cached_memory(ctx, teacher, model_hash, "varied",
+                                                               varied[i:i + VARIED_CHUNK], batch_size)
+            parts.append(mem_chunk)
+            kept += kept_chunk
+            enc_train_s += chunk_s
+        mem_train = torch.cat(parts) if len(parts) > 1 else mem_train
+        del parts
         mem_eval, kept_eval, enc_eval_s, _ = _cached_memory(ctx, teacher, model_hash, "eval", evals, batch_size)
         from_teacher = 0
         texts = [latex for _, latex in kept]
