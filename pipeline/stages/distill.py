@@ -57,7 +57,8 @@ class DistillConfig:
     # ... plus this many random formulas from the varied grammar (pipeline/data/templates.py: the
     # notation docstring formulas use, in combinations none suggests): with 4000 the student read
     # 0.561 of the eval split and 0.327 of the shift split, without them 0.502 and 0.277
-    # (docs/distill.md); their encoder outputs cost ~2 GB of cache and 12-19 minutes once
+    # (docs/distill.md); 8000 read the calib split the same (0.585 vs 0.583). Their encoder outputs
+    # cost ~0.5 GB of cache and ~3 minutes a 1000 formulas, once
     varied: int = 4000
     steps: int = 5000                # optimizer steps: the run is a function of these and the seed ...
     minutes: float = 40.0            # ... unless this wall-clock cap on the training steps comes first
