@@ -44,14 +44,15 @@ def test_batch_order_and_learning_rate_depend_on_the_step_only():
     assert 1e-4 < learning_rate(s, 50) < 1e-3
 
 
-def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, tmp_path):
+@pytest.mark.parametrize("ema", [0.0, 0.9])
+def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, tmp_path, ema):
     from pipeline.distillation.train import Schedule, train_decoder
 
     torch.manual_seed(0)
     memory = torch.randn(6, 32, 32).half()
     ref = _student(bpe_file)
     targets = [ref.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:6]]
-    s = Schedule(steps=8, minutes=10, batch=3, lr=1e-3, warmup=2, seed=1, checkpoint_every=2, eval_every=3)
+    s = Schedule(steps=8, minutes=10, batch=3, lr=1e-3, warmup=2, seed=1, checkpoint_every=2, eval_every=3, ema=ema)
     calls = []
 
     def evaluate():
@@ -82,6 +83,32 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, t
     for k, v in ref.model.state_dict().items():
         assert torch.equal(v, fresh.model.state_dict()[k]), k
     assert resumed["losses"] == whole["losses"]
+
+
+def test_the_moving_average_is_what_the_run_returns_and_what_its_curve_reads(bpe_file):
+    from pipeline.distillation.train import Schedule, train_decoder
+
+    torch.manual_seed(0)
+    memory = torch.randn(6, 32, 32).half()
+    runs = {}
+    for ema in (0.0, 0.5):
+        student = _student(bpe_file)
+        start = {k: v.clone() for k, v in student.model.state_dict().items()}
+        targets = [student.tokenizer.encode(normalize_formula(f), max_length=24) for f in FORMULAS[:6]]
+        seen = []  # the decoder's output layer as each curve point saw it
+        torch.manual_seed(5)
+        out = train_decoder(student, memory, targets, Schedule(steps=6, minutes=10, batch=3, lr=1e-2, warmup=1,
+                                                               eval_every=3, ema=ema),
+                            lambda: seen.append(student.model.lm_head.weight.detach().clone()) or {"cer": 0.0})
+        runs[ema] = (out, student.model.state_dict(), start, seen)
+    (plain, w0, start, seen0), (avg, w1, _, seen1) = runs[0.0], runs[0.5]
+    assert plain["losses"] == avg["losses"]  # the average does not change the training itself
+    assert torch.equal(seen1[-1], w1["lm_head.weight"]) and torch.equal(seen0[-1], w0["lm_head.weight"])
+    moved = [k for k in w0 if not torch.equal(w0[k], start[k])]
+    assert moved and all(not torch.equal(w0[k], w1[k]) for k in moved)  # averaged weights, not the last step's
+    assert all(torch.equal(w1[k], start[k]) for k in w0 if k not in moved)
+    with pytest.raises(ValueError, match="ema must be in"):
+        train_decoder(_student(bpe_file), memory, targets, Schedule(steps=1, minutes=1, batch=3, lr=1e-3, ema=1.0))
 
 
 SMALL = ["model.max_length=24", "model.batch_size=4", "distill.steps=4", "distill.batch=4", "distill.templated=4",
@@ -173,6 +200,8 @@ def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokeniz
     assert not (tmp_path / "distill").exists()
     with pytest.raises(PipelineError, match="distill.steps must be >= 1"):
         distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.steps=0"]).cfg.distill), ctx)
+    with pytest.raises(PipelineError, match=r"distill.ema must be in \[0, 1\), got 1.0"):
+        distill.run(OmegaConf.to_object(fake_ctx(tmp_path, ["distill.ema=1.0"]).cfg.distill), ctx)
 
 
 def _train_three_steps(bpe_file, **schedule):

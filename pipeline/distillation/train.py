@@ -4,7 +4,8 @@ The batch order depends only on the step and the seed (one permutation of the im
 the learning rate only on the step (linear warm-up, cosine decay to a tenth), so a run is a function
 of its step count: a checkpoint holds the model, the optimizer, the step, torch's RNG (dropout) and
 the curve so far; a killed run started again with the same file continues to the weights an
-uninterrupted run reaches. Checkpoints are written to a temporary file and renamed, and read back
+uninterrupted run reaches (the weights' moving average too, ``Schedule.ema``). Checkpoints are
+written to a temporary file and renamed, and read back
 with ``weights_only=True`` (tensors, numbers, strings, lists and dicts only).
 """
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Schedule:
     eval_every: int = 250  # steps between learning-curve points (0 = only at the start and the end)
     block_lr_scale: float = 1.0  # learning-rate factor for the copied decoder weights (the new rows get lr)
     freeze_cross_attention: bool = False  # the attention over the encoder output stays the char model's
+    ema: float = 0.0      # decay of an exponential moving average of the trained weights (0 = none): the
+                          # curve's points and the returned weights are the average's
 
 
 @functools.lru_cache(maxsize=4)
@@ -92,6 +95,9 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
     if fresh:
         groups.append({"params": [p for p in params if id(p) not in fresh], "scale": s.block_lr_scale})
     opt = torch.optim.AdamW(groups, lr=s.lr, weight_decay=s.weight_decay)
+    if not 0.0 <= s.ema < 1.0:
+        raise ValueError(f"ema must be in [0, 1), got {s.ema}")
+    ema = [p.detach().clone() for p in params] if s.ema else []
     step, seconds, resumed, curve, losses = 0, 0.0, 0, [], []
     if state_file is not None and Path(state_file).is_file():
         saved = torch.load(state_file, map_location="cpu", weights_only=True)
@@ -100,19 +106,34 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
         torch.set_rng_state(saved["rng"])
         step = resumed = int(saved["step"])
         seconds, curve, losses = float(saved["seconds"]), list(saved["curve"]), list(saved["losses"])
+        if ema:
+            for e, v in zip(ema, saved["ema"]):
+                e.copy_(v)
+
+    def swap_ema() -> None:  # the average's weights into the model, the trained ones into the average
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                held = p.detach().clone()
+                p.copy_(e)
+                e.copy_(held)
 
     def point() -> None:
         if evaluate is None:
             return
         since = losses[curve[-1]["step"]:] if curve else []
+        swap_ema()
+        try:
+            row = evaluate()
+        finally:
+            swap_ema()
         curve.append({"step": step, "minutes": seconds / 60,
-                      "loss": float(np.mean(since)) if since else None, **evaluate()})
+                      "loss": float(np.mean(since)) if since else None, **row})
 
     def checkpoint() -> None:
         if state_file is not None:
             _save(Path(state_file), {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                                      "rng": torch.get_rng_state(), "seconds": seconds, "curve": curve,
-                                     "losses": losses})
+                                     "losses": losses, **({"ema": ema} if ema else {})})
 
     if not curve:
         point()
@@ -136,6 +157,11 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
+            if ema:  # the average's decay ramps up over the first steps (it starts at the copied weights)
+                decay = min(s.ema, (1 + step) / (10 + step))
+                with torch.no_grad():
+                    for e, p in zip(ema, params):
+                        e.lerp_(p, 1.0 - decay)
             model.eval()
             step += 1
             seconds += time.perf_counter() - t0
@@ -153,5 +179,7 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
             p.requires_grad_(True)
     if not curve or curve[-1]["step"] != step:
         point()
+    if ema:
+        swap_ema()  # the run's weights are the average's
     return {"steps": step, "stopped_by": stopped_by, "minutes": seconds / 60, "resumed_at": resumed,
             "curve": curve, "losses": losses}

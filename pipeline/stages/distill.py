@@ -74,6 +74,9 @@ class DistillConfig:
     # the decoder's attention over the encoder output (and its norms) left as the char model learnt
     # it: the student learns which tokens to write, not how to read the image anew
     freeze_cross_attention: bool = False
+    # decay of an exponential moving average of the decoder's weights, which the curve reads and the
+    # stage saves (0 = the last step's weights)
+    ema: float = 0.0
     block_lr_scale: float = 1.0      # lr factor for the decoder weights copied from the char model (the new
                                      # embedding and output rows always get distill.lr)
     checkpoint_every: int = 100      # steps between resume checkpoints
@@ -99,6 +102,8 @@ def _validate(cfg: DistillConfig) -> None:
         raise PipelineError(f"distill.train_images must be >= 0 or null, got {cfg.train_images}")
     if not cfg.minutes > 0:
         raise PipelineError(f"distill.minutes must be > 0, got {cfg.minutes}")
+    if not 0 <= cfg.ema < 1:
+        raise PipelineError(f"distill.ema must be in [0, 1), got {cfg.ema}")
     if not (cfg.lr > 0 and cfg.weight_decay >= 0 and cfg.block_lr_scale >= 0):
         raise PipelineError("distill.lr must be > 0, distill.weight_decay and distill.block_lr_scale >= 0")
     if cfg.targets not in TARGETS:
@@ -201,6 +206,8 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     model_hash = ctx.model_hash(model_ref)
     config = {**asdict(cfg), "model_ref": model_ref, "max_length": max_length, "seed": ctx.seed}
     config.pop("in_chain")  # where the chain takes the model from, not how it is made
+    if not cfg.ema:
+        config.pop("ema")  # off: the key of the artifacts made before it existed
     train = [(f.id, f.latex) for f in ctx.split("train")][:cfg.train_images]
     train += [(f"templated-{i}", t) for i, t in enumerate(templated_formulas(cfg.templated, seed=ctx.seed))]
     varied = [(f"varied-{i}", t) for i, t in enumerate(varied_formulas(cfg.varied, seed=ctx.seed))]
@@ -248,7 +255,8 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         schedule = Schedule(steps=cfg.steps, minutes=cfg.minutes, batch=cfg.batch, lr=cfg.lr,
                             weight_decay=cfg.weight_decay, warmup=cfg.warmup, seed=ctx.seed,
                             checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
-                            block_lr_scale=cfg.block_lr_scale, freeze_cross_attention=cfg.freeze_cross_attention)
+                            block_lr_scale=cfg.block_lr_scale, freeze_cross_attention=cfg.freeze_cross_attention,
+                            ema=cfg.ema)
         torch.manual_seed(ctx.seed)  # dropout
         resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         evaluate = lambda: {k: v for k, v in _read(student, mem_eval, truths, max_length, batch_size).items()  # noqa: E731
