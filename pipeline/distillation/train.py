@@ -5,8 +5,8 @@ the learning rate only on the step (linear warm-up, cosine decay to a tenth), so
 of its step count: a checkpoint holds the model, the optimizer, the step, torch's RNG (dropout) and
 the curve so far; a killed run started again with the same file continues to the weights an
 uninterrupted run reaches (the weights' moving average too, ``Schedule.ema``). Checkpoints are
-written to a temporary file and renamed, and read back
-with ``weights_only=True`` (tensors, numbers, strings, lists and dicts only).
+written to a temporary file and renamed, and read back with ``weights_only=True`` (tensors, numbers,
+strings, lists and dicts only).
 """
 from __future__ import annotations
 
