@@ -248,11 +248,13 @@ def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file,
     monkeypatch.setattr(distill, "VARIED_CHUNK", 2)
     build_tiny().save(tmp_path / "tiny")
     base = [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}", *SMALL, "distill.steps=1"]
-    m = distill.run(OmegaConf.to_object(fake_ctx(tmp_path, base).cfg.distill), fake_ctx(tmp_path, base))["metrics"]
+    ctx = fake_ctx(tmp_path, base)
+    m = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]
     first = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("distill-memory-varied-*")}
     assert m["train_varied"] == 3 and len(first) == 2  # formulas 0-1, then 2
     more = [*base, "distill.varied=5", "distill.name=distill-more"]
-    m = distill.run(OmegaConf.to_object(fake_ctx(tmp_path, more).cfg.distill), fake_ctx(tmp_path, more))["metrics"]
+    ctx = fake_ctx(tmp_path, more)
+    m = distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]
     after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache").glob("distill-memory-varied-*")}
     assert m["train_varied"] == 5 and len(after) == 4  # 0-1 reused; 2-3 and 4 are new
     assert all(after[name] == first[name] for name in first)  # nothing computed again
