@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from conftest import make_ctx, run_cli
 from tiny_model import FORMULAS, build_tiny, fake_ctx
+from pipeline.benchmarking import summary
 from pipeline.errors import PipelineError
 
 SMALL = ["model.max_length=8", "benchmark.samples=2", "benchmark.memory_images=2", "benchmark.clients=2",
@@ -144,6 +145,24 @@ def test_unchanged_rerun_reuses_and_rewrites_the_summary(root, benched):
     again = _run(root, f"+benchmark.packages.mine={root / 'other-package'}")
     assert again["key"] == benched["key"] and again["seconds"] == benched["seconds"]
     assert (root / "summary.md").is_file()
+
+
+def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path):
+    """A package whose decoder speaks another vocabulary (distill's BPE) shows "–" for identical
+    tokens, not 0.000: its ids index other strings than the reference's."""
+    bpe = tmp_path / "bpe-package"
+    shutil.copytree(root / "other-package", bpe)
+    meta = json.loads((bpe / "package.json").read_text())
+    meta["tokenizer"] = {**meta.get("tokenizer", {}), "kind": "bpe"}
+    (bpe / "package.json").write_text(json.dumps(meta))
+    m = _run(root, f"+benchmark.packages.bpe={bpe}", "benchmark.default_packages=false",
+             "benchmark.name=bench-vocab", "benchmark.memory=false")["metrics"]
+    by = {v["label"]: v for v in m["variants"]}
+    assert by["bpe"]["identical_tokens"] is None
+    assert by["torch tiny-model + KV cache"]["identical_tokens"] == 1.0
+    assert any("identical tokens: – for bpe" in n for n in m["notes"])
+    row = next(r for r in summary.table_rows(m["variants"]) if r[0] == "bpe")
+    assert row[summary.HEADER.index("identical tokens")] == "–"
 
 
 def test_missing_package_named_is_one_error_line(root, tmp_path):

@@ -38,7 +38,7 @@ def table_rows(variants: Sequence[dict]) -> list[list[str]]:
         on = f" (n={v['compared_n']})" if v.get("compared_n") not in (None, v["accuracy_n"]) else ""
         rows.append([v["label"], _f(v["exact_match"], ".3f"), ("–" if delta is None else f"{delta:+.1f}") + on,
                      _f(v["cer"], ".3f"), v["accuracy_n"],
-                     _f(v.get("identical_tokens"), ".3f") + on, _f(v["latency"]["p50_ms"], ".0f"),
+                     _f(v.get("identical_tokens"), ".3f") + (on if v.get("identical_tokens") is not None else ""), _f(v["latency"]["p50_ms"], ".0f"),
                      _f(v["latency"]["p95_ms"], ".0f"), _f(v["images_per_s"], ".2f"),
                      _f(v.get("peak_mb"), ".0f"), _f(v["size_mb"], ".1f"),
                      _f(r.get("speedup_p50"), ".2f") + ("x" if r.get("speedup_p50") is not None else ""),

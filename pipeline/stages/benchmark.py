@@ -258,16 +258,25 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                 memory[label] = future.result()
     lap("peak memory")
 
+    reference_label = next(v.label for v in variants if reads[v.label] is reference)
+    vocabulary = {v.label: _vocabulary(v, adapter) for v in variants}
+    other_vocabulary = [v.label for v in variants if vocabulary[v.label] != vocabulary[reference_label]]
+    if other_vocabulary:
+        notes.append(f"identical tokens: – for {', '.join(other_vocabulary)}, whose decoder speaks another "
+                     f"vocabulary ({vocabulary[other_vocabulary[0]]}) than the reference's "
+                     f"({vocabulary[reference_label]}): their token ids cannot be compared")
     rows = []
     for v in variants:
         r = reads[v.label]
         both = min(r["n"], reference["n"])
+        same_ids = vocabulary[v.label] == vocabulary[reference_label]
         row = {"label": v.label, "kind": v.kind, "location": v.location, "exact_match": r["exact_match"],
                "cer": r["cer"], "accuracy_n": r["n"], "hit_cap_share": r["hit_cap_share"],
                "steps_per_formula": r["steps_per_formula"], "encoder_ms_per_formula": r["encoder_ms_per_formula"],
                "decoder_ms_per_formula": r["decoder_ms_per_formula"],
                "accuracy_seconds": r["seconds"],
-               "identical_tokens": measure.identical_share(r["token_ids"][:both], reference["token_ids"][:both]),
+               "identical_tokens": (measure.identical_share(r["token_ids"][:both], reference["token_ids"][:both])
+                                    if same_ids else None),
                "compared_n": both,
                "exact_match_points_vs_reference": 100 * (_subset_em(r, both) - _subset_em(reference, both)),
                "images_per_s": r["images_per_s"], "timed_n": r.get("timed_n", r["n"]), "batch_size": r["batch_size"],
@@ -290,7 +299,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
             "memory": (row["peak_mb"] / base["peak_mb"]) if row["peak_mb"] and base["peak_mb"] else None,
             "exact_match_points_vs_reference": row["exact_match_points_vs_reference"],
         }
-    metrics = {"shipped": shipped.label, "reference": [v.label for v in variants if reads[v.label] is reference][0],
+    metrics = {"shipped": shipped.label, "reference": reference_label,
                "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
                "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
                "latency_images": lat[shipped.label]["n"], "extra_splits": list(other), "variants": rows, "serving": serving, "notes": notes,
@@ -332,6 +341,21 @@ def _evaluate_note(ctx: StageContext, model: str, max_length: int) -> Optional[t
 def _subset_em(reading: dict, n: int) -> float:
     """Exact match of a reading on its first ``n`` formulas (where two readings overlap)."""
     return float(np.mean(reading["exact"][:n])) if n else 0.0
+
+
+def _vocabulary(v: Variant, adapter) -> str:
+    """What a variant's token ids index: the char vocabulary or distill's BPE, and its size (a
+    package says which in ``package.json``; the torch variants run the benchmark's model)."""
+    from pipeline.tokenization.bpe import BpeTokenizer
+
+    if v.package is not None:
+        tok = v.package.tokenizer
+        kind = (v.package.meta.get("tokenizer") or {}).get("kind") or ("bpe" if isinstance(tok, BpeTokenizer) else "char")
+        size = tok.vocab_size if isinstance(tok, BpeTokenizer) else len(tok.id_to_token)
+    else:
+        kind = "bpe" if isinstance(getattr(adapter, "tokenizer", None), BpeTokenizer) else "char"
+        size = adapter.vocab_size
+    return f"{kind}, {size} entries"
 
 
 def _package_model(folder: Path) -> Optional[str]:
