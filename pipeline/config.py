@@ -30,12 +30,16 @@ class ModelConfig:
     adapter: str = "latex_ocr_junia"  # model family (pipeline/adapters/)
     trust_checkpoint: bool = False    # allow a checkpoint that needs pickled code (never by default)
     max_length: int = 160             # decode cap, BOS included; the same for every variant compared
+    # greedy decoding lets no reading end in more than this many layout-only atoms in a row (spacing,
+    # &, \\, style switches: runaway loops; pipeline/decoding.py); 0 = no cap. Exported packages carry it
+    layout_run_cap: int = 8
     batch_size: int = 16              # images per decode batch
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
 
     def __post_init__(self) -> None:
         # the model's own ceiling (its position table) is checked when the model is loaded
         check_range("model.max_length", self.max_length, 2, why="BOS plus at least one token")
+        check_range("model.layout_run_cap", self.layout_run_cap, 0, why="0 = no cap")
         check_range("model.batch_size", self.batch_size, 1)
         check_range("model.threads", self.threads, 0, why="0 = torch's default")
 

@@ -211,7 +211,14 @@ class StageContext:
         adapter = load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),
                                trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
         check_max_length(int(self.cfg.model.max_length), adapter.max_positions, f"model {ref!r}")
+        adapter.layout_run_cap = int(self.cfg.model.layout_run_cap)
         return adapter
+
+    def decoding_key(self) -> dict:
+        """What of greedy decoding, besides ``max_length``, an artifact that decodes depends on: the
+        layout-run cap when on ({} when off, so artifacts from before the cap keep their keys)."""
+        cap = int(self.cfg.model.layout_run_cap)
+        return {"layout_run_cap": cap} if cap else {}
 
     def model_hash(self, ref: str = "original") -> str:
         folder = self.model_folder(ref)

@@ -85,6 +85,7 @@ def evaluate_items(adapter: ModelAdapter, items: Sequence[EvalItem], max_length:
         "hit_cap_share": float(np.mean(result.hit_cap)) if n else 0.0,
         "mean_decode_steps": float(np.mean(result.steps)) if n else 0.0,
         "max_length": max_length,
+        "layout_run_cap": int(adapter.layout_run_cap),
         "batch_size": batch_size,
         "kv_cache": use_cache,
         "encoder_ms_per_image": 1000 * result.encoder_seconds / max(n, 1),

@@ -119,6 +119,7 @@ PACKAGE = {
     "banned_token_ids": Spec("list", items=INT(0)),
     "max_length": INT(2),
     "max_positions": INT(2, optional=True),
+    "layout_run_cap": INT(0, optional=True),
     "num_layers": INT(1), "num_heads": INT(1), "head_dim": INT(1), "hidden_size": INT(1),
     "input_shape": Spec("list", items=INT(1), length=3),
 }

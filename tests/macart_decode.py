@@ -3,8 +3,9 @@
 It runs in the ONNX Runtime 1.12.1 venv of ``tests/macart_env.py`` (MacaRT forks ORT 1.12), so it
 must stay importable on Python 3.10 with numpy 1.26. It decodes exactly as
 ``pipeline.export.runtime.OnnxPackage._greedy`` does: ``decoder_first(BOS, memory)``, then one
-``decoder_step`` per token with the present K/V fed back as past, pad and BOS banned, finished rows
-leave the batch, the cap counts BOS.
+``decoder_step`` per token with the present K/V fed back as past, pad and BOS banned, the package's
+cap on layout-only runs (``pipeline/decoding.py``, loaded by file path: it imports nothing of the
+project), finished rows leave the batch, the cap counts BOS.
 
     python macart_decode.py PACKAGE IMAGES.npy OUT.json [--max-length N] [--batch-size B] [--threads T]
 
@@ -22,6 +23,36 @@ import numpy as np
 import onnxruntime as ort
 
 PROVIDER = "CPUExecutionProvider"
+DECODING = Path(__file__).resolve().parent.parent / "pipeline" / "decoding.py"
+
+
+def layout_guard_class():
+    """``LayoutGuard`` from ``pipeline/decoding.py`` without importing the project."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("formula_compress_decoding", DECODING)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LayoutGuard
+
+
+def token_texts(tokenizer_json: dict, vocab_size: int) -> list:
+    """What each token id writes: the char vocabulary's ``token_to_id`` (specials write nothing), or
+    the formula BPE's vocabulary and added tokens (a Fuse decoder: the pieces concatenated)."""
+    texts = [""] * vocab_size
+    if "token_to_id" in tokenizer_json:
+        specials = set(tokenizer_json["specials"].values())
+        for tok, i in tokenizer_json["token_to_id"].items():
+            if int(i) < vocab_size and tok not in specials:
+                texts[int(i)] = tok
+        return texts
+    for tok, i in tokenizer_json["model"]["vocab"].items():
+        if int(i) < vocab_size:
+            texts[int(i)] = tok
+    for added in tokenizer_json.get("added_tokens", []):
+        if int(added["id"]) < vocab_size:
+            texts[int(added["id"])] = "" if added.get("special", False) else added["content"]
+    return texts
 
 
 class Package:
@@ -40,6 +71,16 @@ class Package:
         self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
         self.num_layers = int(self.meta["num_layers"])
+        self.layout_run_cap = int(self.meta.get("layout_run_cap", 0))
+        self.tokenizer_json = json.loads((folder / self.meta.get("tokenizer", {}).get("file", "tokenizer.json")).read_text())
+        self.guard = None
+
+    def layout_guard(self, vocab_size: int):
+        if self.guard is None or len(self.guard.texts) != vocab_size:
+            texts = token_texts(self.tokenizer_json, vocab_size)
+            texts[self.eos] = ""
+            self.guard = layout_guard_class()(texts, self.eos, self.layout_run_cap)
+        return self.guard
 
     def encode(self, images: np.ndarray) -> np.ndarray:
         io = self.io["encoder"]
@@ -64,11 +105,14 @@ class Package:
         active = np.arange(n)
         if max_length < 2:
             return [[] for _ in range(n)]
+        texts = [""] * n
         logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
         for t in range(max_length - 1):
             logits = logits.astype(np.float32, copy=True)
             logits[:, self.banned] = -np.inf
             nxt = logits.argmax(-1)
+            if self.layout_run_cap:
+                nxt = np.asarray(self.layout_guard(logits.shape[-1]).step(logits, nxt.tolist(), texts), dtype=np.int64)
             for row, tok in enumerate(nxt.tolist()):
                 seqs[active[row]].append(int(tok))
             done = nxt == self.eos
@@ -77,6 +121,7 @@ class Package:
                     out[active[row]] = seqs[active[row]]
                 keep = ~done
                 active, nxt = active[keep], nxt[keep]
+                texts = [x for x, k in zip(texts, keep.tolist()) if k]
                 if active.size == 0:
                     break
                 past = [p[keep] for p in past]

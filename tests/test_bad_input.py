@@ -397,6 +397,7 @@ def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bom
     ("model.max_length=1", "model.max_length=1: must be >= 2"),
     ("model.batch_size=0", "model.batch_size=0: must be >= 1"),
     ("model.threads=-1", "model.threads=-1: must be >= 0"),
+    ("model.layout_run_cap=-1", "model.layout_run_cap=-1: must be >= 0"),
 ])
 def test_numbers_out_of_range_are_refused_at_config_time(tmp_path, override, needle):
     from omegaconf import OmegaConf

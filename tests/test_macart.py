@@ -168,13 +168,19 @@ def test_int8_metax_package_differs_across_runtimes_less_than_int8_from_float(fl
 
 
 def test_decode_script_imports_numpy_and_onnxruntime_only():
-    """It runs where torch and this repository's dependencies are not installed (the ORT 1.12.1 venv)."""
+    """It runs where torch and this repository's dependencies are not installed (the ORT 1.12.1 venv);
+    so does ``pipeline/decoding.py``, which it loads by file path (the layout-run cap)."""
     import ast
 
-    tree = ast.parse(macart_env.DECODER.read_text())
-    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert roots - {"__future__", "argparse", "json", "sys", "pathlib"} == {"numpy", "onnxruntime"}
+    def roots(path):
+        tree = ast.parse(path.read_text())
+        found = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        return found | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+    stdlib = {"__future__", "argparse", "importlib", "json", "re", "sys", "pathlib", "typing"}
+    assert roots(macart_env.DECODER) - stdlib == {"numpy", "onnxruntime"}
+    decoding = macart_env.DECODER.parent.parent / "pipeline" / "decoding.py"
+    assert decoding.is_file() and roots(decoding) - stdlib == {"numpy"}
 
 
 def test_no_python_3_10_fails_with_what_was_tried(monkeypatch, tmp_path):

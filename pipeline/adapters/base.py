@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from pipeline.decoding import LayoutGuard
 from pipeline.errors import PipelineError
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
@@ -100,6 +101,11 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def pad_id(self) -> int: ...
 
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Token ids run 0 .. vocab_size - 1 (the decoder's output width)."""
+
     @abc.abstractmethod
     def encode_text(self, latex: str) -> list[int]:
         """Target token ids for ``latex``: BOS ... EOS (for training and teacher forcing)."""
@@ -138,6 +144,20 @@ class ModelAdapter(abc.ABC):
     def banned_token_ids(self) -> list[int]:
         return [self.pad_id, self.bos_id]
 
+    # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py); 0 = none. The
+    # context sets it from model.layout_run_cap when it loads a model; export writes it to the package
+    layout_run_cap: int = 0
+
+    def layout_guard(self) -> LayoutGuard | None:
+        if not self.layout_run_cap:
+            return None
+        built = getattr(self, "_layout_guard", None)
+        if built is None or built.cap != self.layout_run_cap:  # one per vocabulary and cap
+            texts = [self.decode_text([i]) for i in range(self.vocab_size)]
+            texts[self.eos_id] = ""
+            built = self._layout_guard = LayoutGuard(texts, self.eos_id, self.layout_run_cap)
+        return built
+
     @property
     def max_positions(self) -> int | None:
         """The longest token sequence (BOS included) the decoder's position table holds; None: no limit."""
@@ -171,6 +191,7 @@ class ModelAdapter(abc.ABC):
         capped: list[bool] = []
         enc_s = dec_s = 0.0
         banned = torch.tensor(self.banned_token_ids(), dtype=torch.long)
+        guard = self.layout_guard()
         for start in range(0, images.shape[0], batch_size):
             batch = images[start:start + batch_size]
             t0 = time.perf_counter()
@@ -180,6 +201,7 @@ class ModelAdapter(abc.ABC):
             seqs = torch.full((n, 1), self.bos_id, dtype=torch.long)
             out: list[list[int] | None] = [None] * n
             active = torch.arange(n)
+            texts = [""] * n  # each row's reading so far (the layout guard's view)
             past: list[torch.Tensor] = []
             cross = cached.cross_kv(memory) if cached is not None else []
             for _ in range(max_length - 1):
@@ -190,6 +212,8 @@ class ModelAdapter(abc.ABC):
                     logits = logits.float()
                 logits[:, banned] = float("-inf")
                 nxt = logits.argmax(-1)
+                if guard is not None:
+                    nxt = torch.tensor(guard.step(logits.numpy(), nxt.tolist(), texts), dtype=torch.long)
                 seqs = torch.cat([seqs, nxt[:, None]], dim=1)
                 done = nxt.eq(self.eos_id)
                 if done.any():
@@ -197,6 +221,7 @@ class ModelAdapter(abc.ABC):
                         out[int(active[row])] = seqs[row, 1:].tolist()
                     keep = ~done
                     seqs, memory, active = seqs[keep], memory[keep], active[keep]
+                    texts = [t for t, k in zip(texts, keep.tolist()) if k]
                     past = [t[keep] for t in past]
                     cross = [t[keep] for t in cross]
                     if active.numel() == 0:

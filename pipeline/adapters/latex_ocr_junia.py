@@ -267,7 +267,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         except ValueError as exc:
             raise PipelineError(f"{tokenizer_path}: {exc}") from None
         student, config = init_student(self.model, self.model_config, pieces)
-        return type(self)(student, config, bpe, tokenizer_path)
+        out = type(self)(student, config, bpe, tokenizer_path)
+        out.layout_run_cap = self.layout_run_cap  # decodes as the char model it was made from
+        return out
 
     def decoder_parameters(self) -> list[torch.nn.Parameter]:
         return [p for n, p in self.model.named_parameters() if not n.startswith(("patch_embed", "encoder"))]

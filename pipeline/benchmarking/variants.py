@@ -112,7 +112,7 @@ def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, fami
     files = adapter.source_files()
     size = dir_bytes(files) if files else sum(t.numel() * t.element_size() for t in adapter.model.state_dict().values())
     spec = {"kind": TORCH_KV if use_cache else TORCH, "family": family, "source": source,
-            "trust_checkpoint": trust_checkpoint}
+            "trust_checkpoint": trust_checkpoint, "layout_run_cap": int(adapter.layout_run_cap)}
     return Variant(label, spec["kind"], ref, size, decode, spec)
 
 
@@ -133,5 +133,6 @@ def rebuild(spec: dict[str, Any], threads: int) -> Callable[[np.ndarray, int, in
     from pipeline.adapters.base import load_adapter
 
     adapter = load_adapter(spec["family"], spec["source"], trust_checkpoint=bool(spec["trust_checkpoint"]))
+    adapter.layout_run_cap = int(spec.get("layout_run_cap", 0))
     return torch_variant("", adapter, spec["source"], spec["source"], spec["family"],
                          spec["kind"] == TORCH_KV, bool(spec["trust_checkpoint"])).decode

@@ -166,8 +166,12 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "max_positions": adapter.max_positions or int(max_length),  # the decoder position table
         **shapes,
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
+        # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py; 0 = none)
+        "layout_run_cap": int(adapter.layout_run_cap),
         "decoding": "greedy; decoder_first(BOS, memory) then decoder_step per token with the present K/V fed "
-                    "back as past; pad and BOS logits set to -inf; stop at EOS or max_length tokens incl. BOS",
+                    "back as past; pad and BOS logits set to -inf; stop at EOS or max_length tokens incl. BOS; "
+                    "where layout_run_cap > 0, a token that would make the reading end in more than that many "
+                    "layout-only atoms (spacing, &, \\\\, style switches) gives way to the best one that does not",
     }
     (folder / PACKAGE_META).write_text(json.dumps(meta, indent=2) + "\n")
     if target.name == "metax":

@@ -14,6 +14,7 @@ from PIL import Image
 
 from pipeline import schema
 from pipeline.adapters.base import DecodeResult
+from pipeline.decoding import LayoutGuard
 from pipeline.errors import PipelineError
 from pipeline.schema import load_json
 
@@ -107,6 +108,9 @@ class OnnxPackage:
         self.io = self.meta["io"]
         self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
+        # greedy decoding's cap on layout-only runs (pipeline/decoding.py); packages from before it: none
+        self.layout_run_cap = int(self.meta.get("layout_run_cap", 0))
+        self._guard: LayoutGuard | None = None
         self.num_layers = int(self.meta["num_layers"])
         # the decoder's position table; packages from before it was recorded: their export cap
         self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
@@ -161,6 +165,13 @@ class OnnxPackage:
         capped = [not ids or ids[-1] != self.eos for ids in all_ids]
         return DecodeResult(all_ids, [self.tokenizer.decode(i) for i in all_ids], enc_s, dec_s, steps, capped)
 
+    def layout_guard(self, vocab_size: int) -> LayoutGuard:
+        """The package's cap on layout-only runs, for the decoder's ``vocab_size`` token ids."""
+        if self._guard is None or len(self._guard.texts) != vocab_size:
+            texts = [self.tokenizer.decode([i]) if i != self.eos else "" for i in range(vocab_size)]
+            self._guard = LayoutGuard(texts, self.eos, self.layout_run_cap)
+        return self._guard
+
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         n = memory.shape[0]
         out: list[list[int] | None] = [None] * n
@@ -168,11 +179,14 @@ class OnnxPackage:
         active = np.arange(n)
         if max_length < 2:
             return [[] for _ in range(n)]
+        texts = [""] * n  # each active row's reading so far (the layout guard's view)
         logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
         for t in range(max_length - 1):
             logits = logits.astype(np.float32, copy=True)
             logits[:, self.banned] = -np.inf
             nxt = logits.argmax(-1)
+            if self.layout_run_cap:
+                nxt = np.asarray(self.layout_guard(logits.shape[-1]).step(logits, nxt.tolist(), texts), dtype=np.int64)
             for row, tok in enumerate(nxt.tolist()):
                 seqs[active[row]].append(int(tok))
             done = nxt == self.eos
@@ -181,6 +195,7 @@ class OnnxPackage:
                     out[active[row]] = seqs[active[row]]
                 keep = ~done
                 active, nxt = active[keep], nxt[keep]
+                texts = [x for x, k in zip(texts, keep.tolist()) if k]
                 if active.size == 0:
                     break
                 past = [p[keep] for p in past]

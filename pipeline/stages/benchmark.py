@@ -138,7 +138,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     if evaluated:
         inputs["evaluate"] = evaluated[0]
         notes.append(evaluated[1])
-    config = {**asdict(cfg), "max_length": max_length, "packages_resolved": {k: str(v) for k, v in folders.items()}}
+    config = {**asdict(cfg), "max_length": max_length, **ctx.decoding_key(), "packages_resolved": {k: str(v) for k, v in folders.items()}}
     with ctx.output(ctx.artifact_name("benchmark", cfg.name), config, inputs) as out:
         if out.reused:
             log.info(f"[benchmark] unchanged, reused {out.path}")

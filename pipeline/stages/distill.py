@@ -172,7 +172,7 @@ def _teacher_readings(ctx: StageContext, teacher, model_hash: str, memory: torch
                       kept: list[tuple[str, str]], max_length: int, batch: int) -> tuple[list[str], list[bool]]:
     """The char model's greedy readings of the training images (from their cached encoder outputs),
     cached under ``<artifacts>/cache/`` like the outputs themselves."""
-    config = {"formulas": sha256_json(kept), "max_length": max_length}
+    config = {"formulas": sha256_json(kept), "max_length": max_length, **ctx.decoding_key()}
     with ctx.cache_output(f"distill-teacher-{sha256_json([config, model_hash])[:12]}", config,
                           {"model": model_hash}) as out:
         if not out.reused:
@@ -205,7 +205,7 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     tok_file = _tokenizer_file(cfg.tokenizer, ctx)
     name = ctx.artifact_name("distill", cfg.name)
     model_hash = ctx.model_hash(model_ref)
-    config = {**asdict(cfg), "model_ref": model_ref, "max_length": max_length, "seed": ctx.seed}
+    config = {**asdict(cfg), "model_ref": model_ref, "max_length": max_length, **ctx.decoding_key(), "seed": ctx.seed}
     config.pop("in_chain")  # where the chain takes the model from, not how it is made
     if not cfg.ema:
         config.pop("ema")  # off: the key of the artifacts made before it existed

@@ -139,7 +139,8 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
         read[split or "input"] = src
         inputs.update(src.inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
-    config = {**asdict(cfg), "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size)}
+    config = {**asdict(cfg), "max_length": int(mcfg.max_length), **ctx.decoding_key(),
+              "batch_size": int(mcfg.batch_size)}
     config.pop("in_chain")  # whether stage=all runs it, not what it measures
     with ctx.output(name, config, inputs) as out:
         if out.reused:  # decided on hashes alone: no model loaded, nothing rendered

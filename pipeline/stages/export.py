@@ -209,8 +209,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         inputs[f"int8_{g}"] = file_hash(path)
     # one package: which others the run also makes (targets, baselines) is not part of its config
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines", "baseline_parity_limit")},
-              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, "batch_size": batch_size,
-              "model_ref": model_ref}
+              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, **ctx.decoding_key(),
+              "batch_size": batch_size, "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
         if out.reused:
             log.info(f"[export] unchanged, reused {out.path}")

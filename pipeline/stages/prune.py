@@ -190,7 +190,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
-              "max_length": max_length, "batch_size": batch_size}
+              "max_length": max_length, **ctx.decoding_key(), "batch_size": batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
         config.pop("refit_varied")
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
@@ -394,7 +394,8 @@ def _baseline(original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx:
     mcfg = ctx.cfg.model
     config = {"eval_limit": cfg.eval_limit, "eval_splits": list(cfg.eval_splits),
               "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
-              "max_length": int(mcfg.max_length), "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
+              "max_length": int(mcfg.max_length), **ctx.decoding_key(),
+              "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
     # one folder per configuration, so sweeps with different eval sets do not evict each other
     with ctx.cache_output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
@@ -432,7 +433,7 @@ def _head_scores(cfg: PruneConfig, ctx: StageContext, adapter, attns, inputs: di
             result[name] = head_scores.compute([name], inp)[name]
             continue
         config = {"criterion": name, "score_images": cfg.score_images, "seed": ctx.seed, "max_length": max_length,
-                  "targets": "own_predictions"}
+                  **ctx.decoding_key(), "targets": "own_predictions"}
         with ctx.cache_output(f"prune-head-scores-{name}-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
             if out.reused:
                 result[name] = json.loads((out.path / "scores.json").read_text())

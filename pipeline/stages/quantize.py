@@ -173,7 +173,7 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     mcfg = ctx.cfg.model
     # quantize.original makes another artifact: switching it must not redo this one
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")},
-              "model_ref": model_ref, "max_length": int(mcfg.max_length),
+              "model_ref": model_ref, "max_length": int(mcfg.max_length), **ctx.decoding_key(),
               "batch_size": int(mcfg.batch_size)}
     log.info(f"[quantize] model: {model_ref}"
              + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""))

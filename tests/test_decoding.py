@@ -1,0 +1,100 @@
+"""Greedy decoding's cap on layout-only runs (pipeline/decoding.py): what counts as a run, which
+token gives way, and that torch, the package runtime and the MacaRT decode script apply it alike
+(on a tiny model whose every step prefers the same layout token: a runaway by construction)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+from pipeline.decoding import LayoutGuard, layout_run
+
+
+@pytest.mark.parametrize("text,run", [
+    ("x\\!\\!\\!", 3),               # three negative spaces
+    ("x\\!\\!\\", 2),                # a lone backslash may still become \end: not counted yet
+    ("x\\qquad\\qquad", 1),          # the last command may still grow (\qquadx is another word)
+    ("x\\qquad\\qquad}", 0),         # a brace ends the run
+    ("a & & &", 6),                  # alignment marks and the spaces between them
+    ("\\frac{a}{b}\\\\\\\\\\\\", 3),  # line breaks
+    ("\\scriptstyle\\scriptstyle x", 0),
+    ("", 0),
+])
+def test_layout_run_counts_the_trailing_layout_atoms(text, run):
+    assert layout_run(text) == run
+
+
+def test_guard_keeps_a_run_at_the_cap_and_takes_the_next_best_token():
+    texts = ["<pad>", "<bos>", "", "\\", "!", "x", "&", "}"]  # id 2 is EOS
+    guard = LayoutGuard(texts, eos_id=2, cap=2)
+    logits = np.array([[-np.inf, -np.inf, 0.0, 1.0, 5.0, 2.0, 4.0, 3.0]] * 3, dtype=np.float32)
+    rows = ["a\\!\\!\\", "a\\!\\", "a&&"]
+    # row 0: "!" would write a third \! -> the next best that does not: "&" (an escaped \&, a
+    # character, not layout); row 1: the second \! is within the cap; row 2: a plain "!" ends the run
+    assert guard.step(logits, [4, 4, 4], rows) == [6, 4, 4]
+    assert rows == ["a\\!\\!\\&", "a\\!\\!", "a&&!"]
+    # "&" after "a&&" would be a third layout atom: the best token that is not one ("!") instead
+    assert guard.step(logits[:1], [6], ["a&&"]) == [4]
+    # EOS is never refused, and a token that cannot lengthen a run is not even checked
+    assert guard.step(logits[:2], [2, 5], ["\\!\\!", "\\!\\!"]) == [2, 5]
+    with pytest.raises(ValueError):
+        LayoutGuard(texts, eos_id=2, cap=0)
+
+
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory):
+    """A tiny model whose output layer is its bias alone: "&" first, "x" second, at every step; and
+    its package, exported with model.layout_run_cap=2."""
+    from pipeline.stages import export
+
+    root = tmp_path_factory.mktemp("decoding")
+    adapter = build_tiny()
+    amp, x = adapter.encode_text("&")[1], adapter.encode_text("x")[1]
+    with torch.no_grad():
+        head = adapter.model.lm_head
+        head.weight.zero_()
+        head.bias.fill_(-5.0)
+        head.bias[amp], head.bias[x] = 5.0, 3.0
+    adapter.save(root / "loop-model")
+    (root / "formulas.txt").write_text("\n".join(FORMULAS[:2]) + "\n")
+    ctx = fake_ctx(root, [f"export.model={root / 'loop-model'}", "export.quantized=none",
+                          f"export.formulas={root / 'formulas.txt'}", "model.max_length=12", "model.layout_run_cap=2",
+                          "export.parity_images=1", "export.parity_limit=2", "export.min_identical=1"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    model = ctx.load_model(str(root / "loop-model"))
+    images = torch.rand(2, *model.input_shape)
+    return root, model, images
+
+
+def test_torch_the_package_and_the_macart_script_cap_the_runaway_alike(looping):
+    from pipeline.export.runtime import OnnxPackage
+
+    root, model, images = looping
+    package = OnnxPackage(root / "export-ort_cpu", threads=1)
+    assert package.meta["layout_run_cap"] == 2 and model.layout_run_cap == 2
+    want = "&&x&&x&&x&&"  # 11 tokens: the cap of 12 counts BOS
+    for use_cache in (False, True):
+        assert model.generate(images, 12, use_cache=use_cache).texts == [want, want]
+    got = package.generate(images.numpy(), 12, batch_size=2)
+    assert got.texts == [want, want]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from macart_decode import Package
+
+    script = Package(root / "export-ort_cpu", threads=1)
+    assert script.greedy(script.encode(images.numpy()), 12) == got.token_ids
+    # without the cap the same model writes the loop to the end, in all three
+    model.layout_run_cap = 0
+    assert model.generate(images, 12).texts == ["&" * 11] * 2
+    meta = json.loads((root / "export-ort_cpu" / "package.json").read_text())
+    meta["layout_run_cap"] = 0
+    (root / "export-ort_cpu" / "package.json").write_text(json.dumps(meta))
+    assert OnnxPackage(root / "export-ort_cpu", threads=1).generate(images.numpy(), 12).texts == ["&" * 11] * 2
+    script = Package(root / "export-ort_cpu", threads=1)
+    assert script.greedy(script.encode(images.numpy()), 12) == [[43] * 11] * 2
+    model.layout_run_cap = 2
