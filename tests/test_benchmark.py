@@ -149,11 +149,13 @@ def test_unchanged_rerun_reuses_and_rewrites_the_summary(root, benched):
 
 def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path):
     """A package whose decoder speaks another vocabulary (distill's BPE) shows "–" for identical
-    tokens, not 0.000: its ids index other strings than the reference's."""
+    tokens, not 0.000: its ids index other strings than the reference's. Packages that decode with
+    another layout-run cap than the rest are named in the notes."""
     bpe = tmp_path / "bpe-package"
     shutil.copytree(root / "other-package", bpe)
     meta = json.loads((bpe / "package.json").read_text())
     meta["tokenizer"] = {**meta.get("tokenizer", {}), "kind": "bpe"}
+    meta["layout_run_cap"] = 0  # as if exported before the cap: the notes say the caps differ
     (bpe / "package.json").write_text(json.dumps(meta))
     m = _run(root, f"+benchmark.packages.bpe={bpe}", "benchmark.default_packages=false",
              "benchmark.name=bench-vocab", "benchmark.memory=false")["metrics"]
@@ -161,6 +163,8 @@ def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path
     assert by["bpe"]["identical_tokens"] is None
     assert by["torch tiny-model + KV cache"]["identical_tokens"] == 1.0
     assert any("identical tokens: – for bpe" in n for n in m["notes"])
+    assert any("different layout-run caps" in n and "bpe 0" in n and "+ KV cache 8" in n for n in m["notes"])
+    assert not any("layout-run caps" in n for n in _run(root, "benchmark.name=bench-caps", "benchmark.memory=false")["metrics"]["notes"])  # all the same: no note
     row = next(r for r in summary.table_rows(m["variants"]) if r[0] == "bpe")
     assert row[summary.HEADER.index("identical tokens")] == "–"
 

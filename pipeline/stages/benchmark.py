@@ -259,6 +259,11 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     lap("peak memory")
 
     reference_label = next(v.label for v in variants if reads[v.label] is reference)
+    caps = {v.label: (v.package.layout_run_cap if v.package is not None else adapter.layout_run_cap) for v in variants}
+    if len(set(caps.values())) > 1:  # a package decodes with the cap it was exported with
+        notes.append("the variants decode with different layout-run caps (package.json: layout_run_cap; "
+                     "0 = none, a package exported before the cap): "
+                     + ", ".join(f"{label} {cap}" for label, cap in caps.items()))
     vocabulary = {v.label: _vocabulary(v, adapter) for v in variants}
     other_vocabulary = [v.label for v in variants if vocabulary[v.label] != vocabulary[reference_label]]
     if other_vocabulary:
