@@ -98,3 +98,44 @@ def test_torch_the_package_and_the_macart_script_cap_the_runaway_alike(looping):
     script = Package(root / "export-ort_cpu", threads=1)
     assert script.greedy(script.encode(images.numpy()), 12) == [[43] * 11] * 2
     model.layout_run_cap = 2
+
+
+def _row_rule(ids: np.ndarray, eos: int, amp: int, x: int, vocab: int) -> np.ndarray:
+    """Logits for rows whose id is 0 (EOS at once) or 1 ("&" first, "x" second: a runaway)."""
+    out = np.full((len(ids), vocab), -5.0, dtype=np.float32)
+    for r, i in enumerate(ids):
+        if i == 0:
+            out[r, eos] = 5.0
+        else:
+            out[r, amp], out[r, x] = 5.0, 3.0
+    return out
+
+
+def test_rows_that_finish_early_leave_the_guard_with_their_text(looping, monkeypatch):
+    """A batch where the middle row ends at once: the rows that stay keep their own readings (the
+    guard's texts leave the batch with their rows), in torch and in the package runtime."""
+    from pipeline.export.runtime import OnnxPackage
+
+    _, model, _ = looping
+    eos, amp, x, vocab = model.eos_id, model.encode_text("&")[1], model.encode_text("x")[1], model.vocab_size
+    want = ["&&x&&x&&x&&", "", "&&x&&x&&x&&"]
+    memory = torch.zeros(3, 2, 4)
+    memory[[0, 2], 0, 0] = 1.0
+    monkeypatch.setattr(model, "decode_logits", lambda seqs, mem: torch.from_numpy(
+        _row_rule(mem[:, 0, 0].long().numpy(), eos, amp, x, vocab))[:, None, :].expand(-1, seqs.shape[1], -1))
+    assert model.generate(memory, 12, encoded=True).texts == want
+
+    class Scripted(OnnxPackage):
+        def __init__(self, tokenizer):  # the decoding facts only: no graphs
+            self.tokenizer, self.bos, self.eos, self.banned = tokenizer, model.bos_id, eos, [model.pad_id, model.bos_id]
+            self.layout_run_cap, self._guard = 2, None
+
+        def first(self, input_ids, memory):
+            return _row_rule(memory[:, 0, 0].astype(int), eos, amp, x, vocab), [], [memory]
+
+        def step(self, input_ids, past, cross):
+            return _row_rule(cross[0][:, 0, 0].astype(int), eos, amp, x, vocab), past
+
+    package = Scripted(type("Tok", (), {"decode": staticmethod(model.decode_text)})())
+    ids = package._greedy(memory.numpy(), 12)
+    assert [model.decode_text(i) for i in ids] == want
