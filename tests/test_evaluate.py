@@ -29,6 +29,8 @@ def test_evaluate_reports_eval_and_shift_splits_side_by_side(corpus_root):
     assert "shift split" in m["splits"]["shift"]["source"] and "latency_batch1" in m
     report = (out / "report.md").read_text()
     assert "| metric | split 'eval' | split 'shift' |" in report
+    assert all(s["layout_run_cap"] == 8 for s in m["splits"].values())  # the default cap, said in the report
+    assert "| layout-run cap (README, Decoding) | 8 | 8 |" in report and "layout-run cap 8" in proc.stdout
     assert (out / "exact_match_by_length.png").is_file()
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     shift_ids = {f.id for f in make_ctx(corpus_root).split("shift")[:3]}

@@ -189,7 +189,8 @@ def _print_summary(m: dict) -> None:
         log.info(f"[evaluate] {split + ': ' if split else ''}n={s['n']} exact_match={s['exact_match']:.3f} "
                  f"image_exact_match={'n/a' if ie is None else f'{ie:.3f}'} cer={s['cer']:.3f} bleu={s['bleu']:.3f} "
                  f"encoder={s['encoder_ms_per_image']:.1f} ms/img decoder={s['decoder_ms_per_image']:.1f} ms/img "
-                 f"(batch {s['batch_size']}, cap {s['max_length']}, {'KV cache' if s.get('kv_cache') else 'full prefix'})")
+                 f"(batch {s['batch_size']}, cap {s['max_length']}, layout-run cap {s.get('layout_run_cap', 0) or 'off'}, "
+                 f"{'KV cache' if s.get('kv_cache') else 'full prefix'})")
 
 
 _LENGTH_BUCKETS = [(0, 10), (10, 20), (20, 40), (40, 80), (80, 10**9)]
@@ -235,6 +236,7 @@ def _write_report(folder: Path, m: dict, rows: list[dict]) -> None:
         row("CER (corpus)", lambda s: _fmt(s["cer"])), row("CER (mean per formula)", lambda s: _fmt(s["cer_mean"])),
         row("BLEU-4 (LaTeX atoms)", lambda s: _fmt(s["bleu"])),
         row("stopped at the length cap", lambda s: f"{s['hit_cap_share']:.3f} (cap {s['max_length']})"),
+        row("layout-run cap (README, Decoding)", lambda s: s.get("layout_run_cap", 0) or "off"),
         row(f"encoder ms / image (batch {m['batch_size']})", lambda s: _fmt(s["encoder_ms_per_image"], 1)),
         row(f"decoder ms / image (batch {m['batch_size']})", lambda s: _fmt(s["decoder_ms_per_image"], 1)),
         row("accuracy pass decoded with", lambda s: "KV cache" if s.get("kv_cache") else "full prefix (as shipped)"),
