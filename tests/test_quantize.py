@@ -380,6 +380,13 @@ def test_export_takes_quantize_model_and_int8_encoder_per_target(root, searched,
     assert json.loads((root / "float-pkg" / "package.json").read_text())["precision"]["encoder"] == "fp32"
 
 
+def test_export_quantized_names_an_artifact_like_export_model(root, searched):
+    """``export.quantized=<name>`` is a quantize artifact under the artifacts root, as a model is."""
+    _export(root, f"export.quantized={searched.name}", "export.targets=[ort_cpu]", "export.name=by-name")
+    meta = json.loads((root / "by-name-ort_cpu" / "package.json").read_text())  # export.name + each target
+    assert meta["precision"]["encoder"].startswith("int8 qdq")
+
+
 def test_export_quantized_from_a_missing_folder_is_an_error(root):
     with pytest.raises(PipelineError, match="export.quantized=.*no quantize artifact there"):
         _export(root, f"export.quantized={root / 'nowhere'}", "export.name=never")

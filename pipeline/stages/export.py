@@ -48,7 +48,8 @@ class ExportConfig:
     model: str = "auto"                  # auto = the model the chain hands over (quantize's, else prune's, else
                                          # the original) | original | a stage with a model | a model folder
     quantized: str = "auto"              # auto = stage quantize's INT8 encoder when its artifact exists for this
-                                         # model | none (a float package) | a quantize artifact folder
+                                         # model | none (a float package) | a quantize artifact (name under
+                                         # the artifacts root, or a folder)
     name: Optional[str] = None           # package folder under artifacts; default export-<target>
     qdq_encoder: Optional[str] = None    # a QDQ encoder ONNX (images -> memory) used instead of the float one
     simplify: bool = True                # onnxsim on the float graphs
@@ -101,7 +102,11 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
         return ctx.chain_model(cfg.model, ctx.chain_upstream()), Path(cfg.qdq_encoder), {}, ""
     if cfg.quantized == "none":
         return ctx.chain_model(cfg.model, ctx.chain_upstream()), None, {}, ""
-    folder = ctx.stage_folder("quantize") if cfg.quantized == "auto" else Path(cfg.quantized)
+    if cfg.quantized == "auto":
+        folder = ctx.stage_folder("quantize")
+    else:  # a quantize artifact's name under the artifacts root (like export.model), or a folder
+        by_name = ctx.artifacts_dir / cfg.quantized
+        folder = by_name if (by_name / "manifest.json").is_file() else Path(cfg.quantized)
     if not (folder / "manifest.json").is_file():
         if cfg.quantized != "auto":
             raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
