@@ -16,7 +16,7 @@ No torch and no other module of this project here: the package runtime loads it,
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -55,6 +55,12 @@ class LayoutGuard:
         self.eos = int(eos_id)
         self.cap = int(cap)
         self._may_extend = [any(c in _RUN_CHARS or c.isspace() for c in t) for t in self.texts]
+
+    @classmethod
+    def for_vocabulary(cls, write: Callable[[int], str], vocab_size: int, eos_id: int, cap: int) -> "LayoutGuard":
+        """The guard for token ids ``0 .. vocab_size - 1``, ``write(i)`` being what token ``i`` writes
+        (EOS writes nothing)."""
+        return cls(["" if i == eos_id else write(i) for i in range(vocab_size)], eos_id, cap)
 
     def step(self, logits: np.ndarray, proposed: Sequence[int], texts: list[str]) -> list[int]:
         """One greedy step for a batch: ``proposed`` (the argmax of each row's ``logits``, banned

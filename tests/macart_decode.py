@@ -78,8 +78,8 @@ class Package:
     def layout_guard(self, vocab_size: int):
         if self.guard is None or len(self.guard.texts) != vocab_size:
             texts = token_texts(self.tokenizer_json, vocab_size)
-            texts[self.eos] = ""
-            self.guard = layout_guard_class()(texts, self.eos, self.layout_run_cap)
+            self.guard = layout_guard_class().for_vocabulary(texts.__getitem__, vocab_size, self.eos,
+                                                             self.layout_run_cap)
         return self.guard
 
     def encode(self, images: np.ndarray) -> np.ndarray:

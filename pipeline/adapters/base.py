@@ -153,9 +153,8 @@ class ModelAdapter(abc.ABC):
             return None
         built = getattr(self, "_layout_guard", None)
         if built is None or built.cap != self.layout_run_cap:  # one per vocabulary and cap
-            texts = [self.decode_text([i]) for i in range(self.vocab_size)]
-            texts[self.eos_id] = ""
-            built = self._layout_guard = LayoutGuard(texts, self.eos_id, self.layout_run_cap)
+            built = self._layout_guard = LayoutGuard.for_vocabulary(
+                lambda i: self.decode_text([i]), self.vocab_size, self.eos_id, self.layout_run_cap)
         return built
 
     @property

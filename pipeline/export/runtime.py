@@ -168,8 +168,8 @@ class OnnxPackage:
     def layout_guard(self, vocab_size: int) -> LayoutGuard:
         """The package's cap on layout-only runs, for the decoder's ``vocab_size`` token ids."""
         if self._guard is None or len(self._guard.texts) != vocab_size:
-            texts = [self.tokenizer.decode([i]) if i != self.eos else "" for i in range(vocab_size)]
-            self._guard = LayoutGuard(texts, self.eos, self.layout_run_cap)
+            self._guard = LayoutGuard.for_vocabulary(lambda i: self.tokenizer.decode([i]), vocab_size, self.eos,
+                                                     self.layout_run_cap)
         return self._guard
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
