@@ -360,3 +360,24 @@ def test_finetune_resumes_after_a_kill_to_the_same_weights(tiny, tmp_path):
     assert info["resumed_at"] == 2 and info["steps"] == 4
     for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_finetune_encoder_scope_trains_the_encoder_alone(tiny):
+    import copy
+
+    from pipeline.pruning import recover
+
+    student = copy.copy(tiny)
+    student.model = copy.deepcopy(tiny.model)
+    student.remove_encoder_heads({0: [1]})
+    decoder = {id(p) for p in student.decoder_parameters()}
+    before = {n: p.detach().clone() for n, p in student.model.named_parameters()}
+    x = torch.rand(4, *tiny.input_shape, generator=torch.Generator().manual_seed(5))
+    info = recover.finetune(student, tiny, x, ["x^2", "a+b", "k^n", "y"], steps=2, minutes=10, lr=1e-2,
+                            batch_size=2, seed=0, scope="encoder", label_weight=0.0)
+    assert info["steps"] == 2
+    moved = {n for n, p in student.model.named_parameters() if not torch.equal(p, before[n])}
+    frozen = {n for n, p in student.model.named_parameters() if id(p) in decoder}
+    assert frozen and moved == set(before) - frozen  # every encoder weight learnt, the decoder is the original's
+    with pytest.raises(ValueError, match="scope"):
+        recover.finetune(student, tiny, x, ["y"] * 4, steps=1, minutes=1, scope="decoder")

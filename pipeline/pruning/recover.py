@@ -279,11 +279,16 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: 
     os.replace(tmp, path)
 
 
+FINETUNE_SCOPES = ("model", "encoder")
+
+
 def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps: int, minutes: float,
              lr: float = 5e-5, batch_size: int = 4, label_weight: float = 1.0, logit_weight: float = 1.0,
              memory_weight: float = 1.0, seed: int = 0, progress: bool = False,
-             state_file: Path | None = None, save_every: int = 10) -> dict[str, float]:
-    """A bounded number of AdamW steps; every weight of the pruned model trains, dropout off.
+             state_file: Path | None = None, save_every: int = 10, scope: str = "model") -> dict[str, float]:
+    """A bounded number of AdamW steps, dropout off; ``scope``: every weight of the pruned model
+    trains (``model``), or the encoder's alone (``encoder``: the decoder stays the original's, so the
+    pruned encoder learns to feed it what the original's did).
 
     Resumable: with ``state_file``, model + optimizer + step are saved every ``save_every`` steps
     and when the time bound ends the run; a later call with the same file, the same starting model
@@ -295,7 +300,12 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     model = student.model
     teacher.model.eval()
     model.eval()  # no dropout: the short run should be deterministic and not noisier than it must be
+    if scope not in FINETUNE_SCOPES:
+        raise ValueError(f"finetune scope must be one of {', '.join(FINETUNE_SCOPES)}, got {scope!r}")
     params = list(model.parameters())
+    if scope == "encoder":
+        decoder = {id(p) for p in student.decoder_parameters()}
+        params = [p for p in params if id(p) not in decoder]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(images), generator=gen).tolist()
@@ -320,7 +330,7 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
             mem = student.encode(x)
             logits = student.decode_logits(inp, mem).float()
             mask = tgt.ne(student.pad_id)
-            ce = F.cross_entropy(logits[mask], tgt[mask])
+            ce = F.cross_entropy(logits[mask], tgt[mask]) if label_weight else logits.new_zeros(())
             kl = F.kl_div(F.log_softmax(logits[mask], -1), F.log_softmax(t_logits[mask], -1),
                           log_target=True, reduction="batchmean")
             mse = F.mse_loss(mem, t_mem) / t_mem.var().clamp_min(1e-8)

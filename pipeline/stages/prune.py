@@ -68,7 +68,11 @@ class PruneConfig:
     finetune_steps: int = 0          # gradient steps after the refit (labels + logits + encoder outputs)
     finetune_minutes: float = 10.0   # wall-clock bound on those steps
     finetune_batch: int = 4
-    finetune_images: int = 64        # train formulas the finetune cycles over
+    finetune_images: int = 64        # train formulas the finetune cycles over ...
+    finetune_varied: int = 0         # ... plus this many random formulas of the varied grammar
+    finetune_scope: str = "model"    # model | encoder: which weights the finetune trains
+    finetune_label_weight: float = 1.0  # weight of the label cross-entropy (0: only the original's
+                                     # logits and encoder output teach; the labels set the prefixes)
     lr: float = 5e-5
     iterations: int = 1              # prune in this many rounds, recovering after each
     eval_limit: Optional[int] = 50   # formulas of each split scored per variant (None = the whole split)
@@ -107,8 +111,14 @@ def _validate(cfg: PruneConfig) -> None:
     for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "iterations", "latency_images"):
         if getattr(cfg, key) < (0 if key == "latency_images" else 1):
             raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
-    if cfg.refit_varied < 0:
-        raise PipelineError(f"prune.refit_varied must be >= 0, got {cfg.refit_varied}")
+    if cfg.refit_varied < 0 or cfg.finetune_varied < 0:
+        raise PipelineError(f"prune.refit_varied and prune.finetune_varied must be >= 0, "
+                            f"got {cfg.refit_varied} and {cfg.finetune_varied}")
+    if cfg.finetune_scope not in recover.FINETUNE_SCOPES:
+        raise PipelineError(f"prune.finetune_scope must be one of {', '.join(recover.FINETUNE_SCOPES)}, "
+                            f"got {cfg.finetune_scope!r}")
+    if not cfg.finetune_label_weight >= 0:
+        raise PipelineError(f"prune.finetune_label_weight must be >= 0, got {cfg.finetune_label_weight}")
     if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0 or cfg.distill_epochs < 0 or cfg.distill_minutes < 0:
         raise PipelineError("prune.distill_epochs, prune.distill_minutes, prune.finetune_steps and "
                             "prune.finetune_minutes must be >= 0")
@@ -193,6 +203,9 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
               "max_length": max_length, **ctx.decoding_key(), "batch_size": batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
         config.pop("refit_varied")
+    for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0)):
+        if config[key] == before:  # the finetune as it was before these options: same keys
+            config.pop(key)
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
     if "shift" in cfg.eval_splits:  # after the head scores: their cache does not depend on it
         inputs["shift"] = sha256_json([(f.id, f.latex) for f in ctx.split("shift")])
@@ -216,11 +229,16 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
                     cfg.finetune_images if cfg.finetune_steps else 0)
         train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
             if cfg.recovery and n_remove else (torch.zeros(0), [], [])
-        refit_extra = None
-        if cfg.refit_varied and cfg.recovery and n_remove:
-            varied = render_inputs(list(enumerate(varied_formulas(cfg.refit_varied, ctx.seed))), original.preprocess,
+        refit_extra, tune_extra = None, None
+        n_varied = max(cfg.refit_varied, cfg.finetune_varied if cfg.finetune_steps else 0)
+        if n_varied and cfg.recovery and n_remove:
+            varied = render_inputs(list(enumerate(varied_formulas(n_varied, ctx.seed))), original.preprocess,
                                    None, ctx.progress, "render varied")
-            refit_extra = torch.stack([x for _, _, x in varied])
+            if cfg.refit_varied:
+                refit_extra = torch.stack([x for _, _, x in varied[:cfg.refit_varied]])
+            if cfg.finetune_varied and cfg.finetune_steps:
+                some = varied[:cfg.finetune_varied]
+                tune_extra = (torch.stack([x for _, _, x in some]), [t for _, t, _ in some])
         eval_items = _eval_items(cfg, ctx, original)
 
         variants: dict[str, dict] = {}
@@ -233,14 +251,14 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         recovery_log: dict = {}
         if cfg.recovery and n_remove:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log, resume / "pruned", refit_extra)
+                                        recovery_log, resume / "pruned", refit_extra, tune_extra)
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
             rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log, resume / "random", refit_extra) \
+                                     train_latex, rnd_log, resume / "random", refit_extra, tune_extra) \
                 if cfg.recovery else _removed(original, random_removed)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
@@ -296,9 +314,15 @@ def _removed(adapter, heads):
 
 def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
                        images: torch.Tensor, latex: list[str], log: dict, resume: Path,
-                       refit_extra: Optional[torch.Tensor] = None):
+                       refit_extra: Optional[torch.Tensor] = None,
+                       tune_extra: Optional[tuple[torch.Tensor, list[str]]] = None):
     """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each;
-    ``refit_extra``: more images for the refit alone (the varied grammar's)."""
+    ``refit_extra``: more images for the refit alone, ``tune_extra``: more (images, LaTeX) for the
+    finetune alone (the varied grammar's)."""
+    tune_images, tune_latex = images[:cfg.finetune_images], list(latex[:cfg.finetune_images])
+    if tune_extra is not None:
+        tune_images = torch.cat([tune_images, tune_extra[0]])
+        tune_latex += tune_extra[1]
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
@@ -330,8 +354,9 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
         entry["distill_cpu_seconds"] = time.process_time() - t0
         t0 = time.process_time()
         entry["finetune"] = recover.finetune(
-            student, original, images, latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
+            student, original, tune_images, tune_latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
+            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight,
             seed=ctx.seed + r, progress=ctx.progress, state_file=resume / f"finetune-round{r}.pt")
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
