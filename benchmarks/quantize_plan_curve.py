@@ -10,6 +10,11 @@ each encoder is read greedily with the package's float decoder on the formulas o
 match, loss, formulas gained / lost, paired SE, identical readings. JSON lines on stdout.
 
     python benchmarks/quantize_plan_curve.py artifacts --ks 0 2 3 4 5 6 9 --method percentile_99.99
+    python benchmarks/quantize_plan_curve.py artifacts --quantize quantize-sq08 --smoothquant 0.8 --ks 0 1 2 3 4
+
+``--smoothquant ALPHA`` folds SmoothQuant into the model first (the stage's way: the activation maxima
+of the first ``--calib`` calibration rows); float is then the smoothed model in float, which reads
+as the model does (the fold is exact up to rounding).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from calibration import sensitivity  # noqa: E402
-from calibration.calibrators import CalibSetReader, load_calib_set  # noqa: E402
+from calibration.calibrators import CalibSetReader, calib_images, load_calib_set  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.quantization import qdq  # noqa: E402
@@ -54,11 +59,20 @@ def main() -> None:
     ap.add_argument("--method", default="percentile_99.99")
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 2, 3, 4, 5, 6, 9])
+    ap.add_argument("--smoothquant", type=float, default=None, help="SmoothQuant alpha folded in first")
     args = ap.parse_args()
     ctx = StageContext.compose(args.artifacts.resolve(), ["stage=quantize"])
     max_length = int(ctx.cfg.model.max_length)
     adapter = ctx.load_model(args.model)
     plan = json.loads((args.artifacts / args.quantize / "plan.json").read_text())
+    calib = load_calib_set(args.artifacts / "calibrate")
+    if args.smoothquant is not None:
+        import torch
+
+        from pipeline.quantization import smooth
+
+        adapter, _ = smooth.smoothed_copy(adapter, torch.from_numpy(calib_images(calib, 0, args.calib)),
+                                          args.smoothquant)
     items = render_inputs([(f.id, f.latex) for f in ctx.split(args.split)], lambda im: adapter.preprocess(im).numpy(),
                           args.limit, True, args.split)
     images = np.stack([x for _, _, x in items]).astype(np.float32)
@@ -69,11 +83,11 @@ def main() -> None:
         readers = graphs.open_readers(1, 2)
         groups = {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort))) if g.kind == "weights"}
         order = ort_ranking(plan, set(groups))
-        calib = load_calib_set(args.artifacts / "calibrate")
         cache = work / "ranges.json"
         qdq.calibrate(graphs.encoder_ort, CalibSetReader(calib, "images", batch_size=8, limit=args.calib), args.method, cache)
         fr = read(readers, graphs.encoder_ort, images, truths, max_length, 16)
-        print(json.dumps({"split": args.split, "n": len(truths), "float": fr.exact_match, "float_cer": fr.cer,
+        print(json.dumps({"split": args.split, "n": len(truths), "smoothquant": args.smoothquant,
+                          "float": fr.exact_match, "float_cer": fr.cer,
                           "ranking": order}), flush=True)
         for k in args.ks:
             enc = work / f"enc.{k}.onnx"

@@ -381,3 +381,27 @@ def test_finetune_encoder_scope_trains_the_encoder_alone(tiny):
     assert frozen and moved == set(before) - frozen  # every encoder weight learnt, the decoder is the original's
     with pytest.raises(ValueError, match="scope"):
         recover.finetune(student, tiny, x, ["y"] * 4, steps=1, minutes=1, scope="decoder")
+
+
+def test_finetune_on_the_originals_readings_ignores_the_labels(tiny):
+    import copy
+
+    from pipeline.pruning import recover
+    from pipeline.pruning.scores import own_predictions
+
+    x = torch.rand(4, *tiny.input_shape, generator=torch.Generator().manual_seed(6))
+    ids = own_predictions(tiny, x, 12, use_cache=True)
+    assert ids == own_predictions(tiny, x, 12)  # the cached decoder reads the same tokens
+
+    def tuned(latex, targets):
+        s = copy.copy(tiny)
+        s.model = copy.deepcopy(tiny.model)
+        s.remove_encoder_heads({0: [1]})
+        recover.finetune(s, tiny, x, latex, steps=2, minutes=10, lr=1e-2, batch_size=2, seed=0, targets=targets)
+        return [p.detach().clone() for p in s.model.parameters()]
+
+    a = tuned(["x^2", "a+b", "k^n", "y"], ids)
+    b = tuned(["\\alpha"] * 4, ids)  # other labels, same targets: the same run
+    c = tuned(["x^2", "a+b", "k^n", "y"], None)  # the labels: another run
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not all(torch.equal(p, q) for p, q in zip(a, c))

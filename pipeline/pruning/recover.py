@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline.pruning.heads import projections
-from pipeline.pruning.scores import _batches, label_batch
+from pipeline.pruning.scores import _batches, id_batch, label_batch
 
 
 class _Stop(Exception):
@@ -285,10 +285,13 @@ FINETUNE_SCOPES = ("model", "encoder")
 def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps: int, minutes: float,
              lr: float = 5e-5, batch_size: int = 4, label_weight: float = 1.0, logit_weight: float = 1.0,
              memory_weight: float = 1.0, seed: int = 0, progress: bool = False,
-             state_file: Path | None = None, save_every: int = 10, scope: str = "model") -> dict[str, float]:
+             state_file: Path | None = None, save_every: int = 10, scope: str = "model",
+             targets: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
     """A bounded number of AdamW steps, dropout off; ``scope``: every weight of the pruned model
     trains (``model``), or the encoder's alone (``encoder``: the decoder stays the original's, so the
-    pruned encoder learns to feed it what the original's did).
+    pruned encoder learns to feed it what the original's did). ``targets``: token ids (BOS ... EOS)
+    per image the decoder is teacher-forced on instead of ``latex``'s labels, e.g. the original's own
+    greedy readings (sequence-level distillation: the prefixes the student meets when it decodes).
 
     Resumable: with ``state_file``, model + optimizer + step are saved every ``save_every`` steps
     and when the time bound ends the run; a later call with the same file, the same starting model
@@ -323,7 +326,8 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
             start = (done * batch_size) % len(order)
             idx = (order + order)[start:start + batch_size]
             x = images[idx]
-            inp, tgt = label_batch(student, [latex[i] for i in idx])
+            inp, tgt = label_batch(student, [latex[i] for i in idx]) if targets is None \
+                else id_batch(student, [targets[i] for i in idx])
             with torch.no_grad():
                 t_mem = teacher.encode(x)
                 t_logits = teacher.decode_logits(inp, t_mem).float()

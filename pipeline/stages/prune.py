@@ -71,8 +71,10 @@ class PruneConfig:
     finetune_images: int = 64        # train formulas the finetune cycles over ...
     finetune_varied: int = 0         # ... plus this many random formulas of the varied grammar
     finetune_scope: str = "model"    # model | encoder: which weights the finetune trains
-    finetune_label_weight: float = 1.0  # weight of the label cross-entropy (0: only the original's
-                                     # logits and encoder output teach; the labels set the prefixes)
+    finetune_label_weight: float = 1.0  # weight of the cross-entropy on the targets (0: only the
+                                     # original's logits and encoder output teach)
+    finetune_targets: str = "labels"  # labels | teacher: what the decoder is teacher-forced on; teacher:
+                                     # the original's own greedy readings (sequence-level distillation)
     lr: float = 5e-5
     iterations: int = 1              # prune in this many rounds, recovering after each
     eval_limit: Optional[int] = 50   # formulas of each split scored per variant (None = the whole split)
@@ -117,6 +119,8 @@ def _validate(cfg: PruneConfig) -> None:
     if cfg.finetune_scope not in recover.FINETUNE_SCOPES:
         raise PipelineError(f"prune.finetune_scope must be one of {', '.join(recover.FINETUNE_SCOPES)}, "
                             f"got {cfg.finetune_scope!r}")
+    if cfg.finetune_targets not in ("labels", "teacher"):
+        raise PipelineError(f"prune.finetune_targets must be labels or teacher, got {cfg.finetune_targets!r}")
     if not cfg.finetune_label_weight >= 0:
         raise PipelineError(f"prune.finetune_label_weight must be >= 0, got {cfg.finetune_label_weight}")
     if cfg.finetune_steps < 0 or cfg.finetune_minutes < 0 or cfg.distill_epochs < 0 or cfg.distill_minutes < 0:
@@ -203,7 +207,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
               "max_length": max_length, **ctx.decoding_key(), "batch_size": batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
         config.pop("refit_varied")
-    for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0)):
+    for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
+                        ("finetune_targets", "labels")):
         if config[key] == before:  # the finetune as it was before these options: same keys
             config.pop(key)
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
@@ -323,6 +328,10 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
     if tune_extra is not None:
         tune_images = torch.cat([tune_images, tune_extra[0]])
         tune_latex += tune_extra[1]
+    tune_ids = None
+    if cfg.finetune_targets == "teacher" and cfg.finetune_steps:  # once: the original does not change
+        tune_ids = head_scores.own_predictions(original, tune_images, int(ctx.cfg.model.max_length),
+                                               int(ctx.cfg.model.batch_size), use_cache=cfg.use_cache)
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
@@ -356,7 +365,7 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
         entry["finetune"] = recover.finetune(
             student, original, tune_images, tune_latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
-            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight,
+            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight, targets=tune_ids,
             seed=ctx.seed + r, progress=ctx.progress, state_file=resume / f"finetune-round{r}.pt")
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
