@@ -85,6 +85,26 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     assert not (tmp_path / "prune").exists()
 
 
+def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_folder):
+    """prune.finetune_targets=teacher + prune.finetune_scope=encoder: the saved model's decoder is the
+    original's, byte for byte; the varied formulas join the finetune; the options enter the key."""
+    import torch
+
+    ctx, manifest = _run(tmp_path, tiny_folder, "prune.num_heads=2", "prune.compare_random=false",
+                         "prune.distill_epochs=0", "prune.finetune_steps=2", "prune.finetune_varied=2",
+                         "prune.finetune_scope=encoder", "prune.finetune_targets=teacher",
+                         "prune.finetune_label_weight=0.5", "prune.lr=1e-2")
+    assert manifest["metrics"]["recovery"]["rounds"][0]["finetune"]["steps"] == 2
+    cfg = manifest["config"]
+    assert (cfg["finetune_targets"], cfg["finetune_scope"], cfg["finetune_varied"]) == ("teacher", "encoder", 2)
+    original, pruned = ctx.load_model(str(tiny_folder)), ctx.load_model("prune")
+    for a, b in zip(original.decoder_parameters(), pruned.decoder_parameters()):
+        assert torch.equal(a, b)
+    # the defaults leave the key as it was before these options
+    assert not {"finetune_targets", "finetune_scope", "finetune_varied", "finetune_label_weight"} & set(
+        _run(tmp_path / "d", tiny_folder, "prune.num_heads=2", "prune.compare_random=false")[1]["config"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("prune.ratio=1.0", r"prune.ratio must be in \[0, 1\)"),
     ("prune.ratio=-0.2", r"prune.ratio must be in \[0, 1\)"),
@@ -95,7 +115,11 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     ("prune.distill_lr=0", "prune.lr and prune.distill_lr must be > 0"),
     ("prune.distill_epochs=-1", "prune.distill_epochs, prune.distill_minutes"),
     ("prune.ridge=-0.1", "prune.ridge must be >= 0"),
-    ("prune.refit_varied=-1", "prune.refit_varied must be >= 0"),
+    ("prune.refit_varied=-1", "prune.refit_varied and prune.finetune_varied must be >= 0"),
+    ("prune.finetune_varied=-2", "prune.refit_varied and prune.finetune_varied must be >= 0"),
+    ("prune.finetune_scope=decoder", "prune.finetune_scope must be one of model, encoder"),
+    ("prune.finetune_targets=ground", "prune.finetune_targets must be labels or teacher"),
+    ("prune.finetune_label_weight=-1", "prune.finetune_label_weight must be >= 0"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):
