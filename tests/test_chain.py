@@ -11,7 +11,8 @@ from tiny_model import FORMULAS, build_tiny, fake_ctx
 
 CHAIN = ["model.max_length=8", "model.batch_size=4",
          "prune.num_heads=2", "prune.eval_limit=2", "prune.score_images=2", "prune.refit_images=4",
-         "prune.compare_random=false", "prune.latency_images=1",
+         "prune.compare_random=false", "prune.latency_images=1", "prune.finetune_steps=2", "prune.finetune_images=4",
+         "prune.finetune_varied=2",
          "quantize.calib_images=8", "quantize.search_images=8", "quantize.decoder_search_images=8",
          "quantize.sensitivity_images=2", "quantize.eval_limit=2", "quantize.latency_images=1",
          "quantize.anchors=false", "quantize.methods=[minmax]", "export.targets=[ort_cpu]",

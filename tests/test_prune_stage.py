@@ -13,7 +13,7 @@ from pipeline.stages import prune
 from tiny_model import build_tiny, fake_ctx
 
 FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",
-        "prune.refit_images=4", "prune.distill_images=4", "prune.distill_epochs=1", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_batch=2",
+        "prune.refit_images=4", "prune.distill_images=4", "prune.distill_epochs=1", "prune.finetune_steps=1", "prune.finetune_images=4", "prune.finetune_varied=2", "prune.finetune_batch=2",
         "prune.latency_images=1"]
 
 
@@ -42,6 +42,7 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
     assert v["pruned, after recovery"]["params"] < v["original"]["params"]
     assert m["reload_identical"] is True
     assert m["recovery"]["rounds"][0]["finetune"]["steps"] == 1
+    assert "finetune 1 step(s), loss" in (out / "report.md").read_text()
     assert not list((tmp_path / "a" / ".resume").glob("*"))  # finetune checkpoints go once the artifact is complete
     for name in ("report.md", "head_scores.png", "head_scores.json", "model/model.safetensors"):
         assert (out / name).is_file(), name
@@ -100,9 +101,13 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     original, pruned = ctx.load_model(str(tiny_folder)), ctx.load_model("prune")
     for a, b in zip(original.decoder_parameters(), pruned.decoder_parameters()):
         assert torch.equal(a, b)
-    # the defaults leave the key as it was before these options
+    # these are the defaults now
+    d = prune.PruneConfig()
+    assert (d.finetune_targets, d.finetune_scope, d.finetune_steps > 0) == ("teacher", "encoder", True)
+    # the finetune as it was before these options keeps its key
     assert not {"finetune_targets", "finetune_scope", "finetune_varied", "finetune_label_weight"} & set(
-        _run(tmp_path / "d", tiny_folder, "prune.num_heads=2", "prune.compare_random=false")[1]["config"])
+        _run(tmp_path / "d", tiny_folder, "prune.num_heads=2", "prune.compare_random=false",
+             "prune.finetune_targets=labels", "prune.finetune_scope=model", "prune.finetune_varied=0")[1]["config"])
 
 
 @pytest.mark.parametrize("override, message", [

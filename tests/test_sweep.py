@@ -18,7 +18,8 @@ def test_two_point_sweep_then_one_benchmark_collects_its_packages(tmp_path, corp
     (tmp_path / "f.txt").write_text("x^2\na+b\n")
     common = [f"artifacts.dir={root}", "model.threads=1", "model.max_length=8", "model.batch_size=4", "progress=false"]
     sweep = [f"prune.model={tiny}", "prune.num_heads=1,2", "prune.eval_limit=2", "prune.score_images=2",
-             "prune.refit_images=4", "prune.compare_random=false", "prune.latency_images=1", "prune.eval_splits=[eval]"]
+             "prune.refit_images=4", "prune.compare_random=false", "prune.latency_images=1", "prune.eval_splits=[eval]",
+             "prune.finetune_steps=1", "prune.finetune_images=2", "prune.finetune_varied=0"]
     proc = run_cli("-m", "stage=prune", *common, *sweep, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     pruned = sorted(p.name for p in root.glob("prune-*") if (p / "model").is_dir())

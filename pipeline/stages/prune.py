@@ -65,17 +65,21 @@ class PruneConfig:
     distill_images: int = 128        # train formulas for it
     distill_lr: float = 1e-3
     distill_minutes: float = 20.0    # wall-clock bound on it (split evenly over the layers)
-    finetune_steps: int = 0          # gradient steps after the refit (labels + logits + encoder outputs)
-    finetune_minutes: float = 10.0   # wall-clock bound on those steps
+    # the finetune after the refit: sequence-level distillation of the encoder from the original, on
+    # by default (docs/prune.md, "Sequence-level distillation"): with the refit alone the pruned model
+    # read formulas from other sources with 10 % more character errors than the original; with it, 2 %
+    finetune_steps: int = 500        # AdamW steps after the refit (0 = the refit alone)
+    finetune_minutes: float = 60.0   # wall-clock bound on those steps (~20 minutes on 2 cores; a run the
+                                     # bound stops is recorded as such and resumes where it stopped)
     finetune_batch: int = 4
-    finetune_images: int = 64        # train formulas the finetune cycles over ...
-    finetune_varied: int = 0         # ... plus this many random formulas of the varied grammar
-    finetune_scope: str = "model"    # model | encoder: which weights the finetune trains
+    finetune_images: int = 128       # train formulas the finetune cycles over ...
+    finetune_varied: int = 256       # ... plus this many random formulas of the varied grammar
+    finetune_scope: str = "encoder"  # model | encoder: which weights the finetune trains
     finetune_label_weight: float = 1.0  # weight of the cross-entropy on the targets (0: only the
                                      # original's logits and encoder output teach)
-    finetune_targets: str = "labels"  # labels | teacher: what the decoder is teacher-forced on; teacher:
+    finetune_targets: str = "teacher"  # labels | teacher: what the decoder is teacher-forced on; teacher:
                                      # the original's own greedy readings (sequence-level distillation)
-    lr: float = 5e-5
+    lr: float = 1e-4
     iterations: int = 1              # prune in this many rounds, recovering after each
     eval_limit: Optional[int] = 50   # formulas of each split scored per variant (None = the whole split)
     eval_splits: List[str] = field(default_factory=lambda: ["eval", "shift"])  # scored side by side
@@ -362,6 +366,7 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
             minutes=cfg.distill_minutes / cfg.iterations, seed=ctx.seed + r, progress=ctx.progress)
         entry["distill_cpu_seconds"] = time.process_time() - t0
         t0 = time.process_time()
+        entry["finetune_planned"] = _share(cfg.finetune_steps, r, cfg.iterations)
         entry["finetune"] = recover.finetune(
             student, original, tune_images, tune_latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
@@ -541,7 +546,11 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
                     for l, d in e["refit"].items())
         + "".join(f"; distill L{l} {d['block_rel_error_before']:.2f}->{d['block_rel_error_after']:.2f} "
                   f"({d['steps']} steps)" for l, d in e.get("distill", {}).items())
-        + f"; finetune {e['finetune'].get('steps', 0)} step(s); CPU "
+        + f"; finetune {e['finetune'].get('steps', 0)} step(s)"
+        + (f" of {e['finetune_planned']}, stopped by prune.finetune_minutes"
+           if e['finetune'].get('steps', 0) < e.get('finetune_planned', 0) else "")
+        + (f", loss {e['finetune']['first_loss']:.3f} -> {e['finetune']['last_loss']:.3f}"
+           if e['finetune'].get('steps') else "") + "; CPU "
         f"{e['refit_cpu_seconds'] + e.get('distill_cpu_seconds', 0) + e['finetune_cpu_seconds']:.0f} s"
         for i, e in enumerate(rec.get("rounds", [])))
     (folder / "report.md").write_text(
