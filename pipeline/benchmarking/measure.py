@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -149,7 +150,11 @@ def serve(decode: Decode, images: np.ndarray, max_length: int, clients: int = 4,
     if len(images) == 0:
         raise PipelineError("serving needs at least one image")
 
+    start = threading.Barrier(clients)  # every client starts together, each on its own thread: a pool
+                                        # thread that finished early never takes a second client's turn
+
     def client(i: int) -> list[float]:
+        start.wait()
         out = []
         for j in range(requests):
             img = images[(i * requests + j) % len(images)]
