@@ -3,7 +3,9 @@
 Heads are scored (``l2_qkv``, ``l2_qkvo``, ``random``, ``gradient``, ``ablation``), the lowest are
 removed globally (``prune.num_heads``, ``prune.ratio`` or ``prune.flops_reduction``, keeping
 ``prune.min_heads_per_layer``), the q/k/v/out matrices are physically sliced, and the model is
-recovered by distillation from the original on rendered train-split formulas. The report compares
+recovered from the original: a closed-form refit of the projections after each pruned layer, then
+sequence-level distillation of the encoder (the original's greedy readings of train-split and
+varied-grammar formulas as targets). The report compares
 original / pruned before recovery / after recovery / random heads at the same count, on the eval
 split and on the shift split (formulas from packages training never saw), side by side.
 """
