@@ -71,8 +71,8 @@ class PruneConfig:
     # by default (docs/prune.md, "Sequence-level distillation"): with the refit alone the pruned model
     # read formulas from other sources with 10 % more character errors than the original; with it, 2 %
     finetune_steps: int = 500        # AdamW steps after the refit (0 = the refit alone)
-    finetune_minutes: float = 60.0   # wall-clock bound on those steps (~20 minutes on 2 cores; a run the
-                                     # bound stops is recorded as such and resumes where it stopped)
+    finetune_minutes: float = 60.0   # wall-clock bound on those steps (~20 minutes on 2 cores); the report
+                                     # says when it stopped them; a killed run resumes where it stopped
     finetune_batch: int = 4
     finetune_images: int = 128       # train formulas the finetune cycles over ...
     finetune_varied: int = 256       # ... plus this many random formulas of the varied grammar
