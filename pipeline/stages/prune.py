@@ -250,6 +250,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             if cfg.finetune_varied and cfg.finetune_steps:
                 some = varied[:cfg.finetune_varied]
                 tune_extra = (torch.stack([x for _, _, x in some]), [t for _, t, _ in some])
+        tune = _finetune_set(cfg, original, train_images, train_latex, tune_extra, max_length, batch_size) \
+            if cfg.recovery and n_remove and cfg.finetune_steps else None
         eval_items = _eval_items(cfg, ctx, original)
 
         variants: dict[str, dict] = {}
@@ -262,14 +264,14 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         recovery_log: dict = {}
         if cfg.recovery and n_remove:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log, resume / "pruned", refit_extra, tune_extra)
+                                        recovery_log, resume / "pruned", refit_extra, tune)
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
             rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log, resume / "random", refit_extra, tune_extra) \
+                                     train_latex, rnd_log, resume / "random", refit_extra, tune) \
                 if cfg.recovery else _removed(original, random_removed)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
@@ -326,18 +328,11 @@ def _removed(adapter, heads):
 def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
                        images: torch.Tensor, latex: list[str], log: dict, resume: Path,
                        refit_extra: Optional[torch.Tensor] = None,
-                       tune_extra: Optional[tuple[torch.Tensor, list[str]]] = None):
+                       tune: Optional[tuple] = None):
     """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each;
-    ``refit_extra``: more images for the refit alone, ``tune_extra``: more (images, LaTeX) for the
-    finetune alone (the varied grammar's)."""
-    tune_images, tune_latex = images[:cfg.finetune_images], list(latex[:cfg.finetune_images])
-    if tune_extra is not None:
-        tune_images = torch.cat([tune_images, tune_extra[0]])
-        tune_latex += tune_extra[1]
-    tune_ids = None
-    if cfg.finetune_targets == "teacher" and cfg.finetune_steps:  # once: the original does not change
-        tune_ids = head_scores.own_predictions(original, tune_images, int(ctx.cfg.model.max_length),
-                                               int(ctx.cfg.model.batch_size), use_cache=cfg.use_cache)
+    ``refit_extra``: more images for the refit alone; ``tune``: the finetune's (images, LaTeX,
+    targets), :func:`_finetune_set`'s."""
+    tune_images, tune_latex, tune_ids = tune if tune is not None else (images[:0], [], None)
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
@@ -379,6 +374,20 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
     log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
                              for e in log["rounds"]) / 60
     return student
+
+
+def _finetune_set(cfg: PruneConfig, original, images: torch.Tensor, latex: list[str],
+                  extra: Optional[tuple[torch.Tensor, list[str]]], max_length: int, batch_size: int) -> tuple:
+    """The finetune's images and LaTeX (the first ``prune.finetune_images`` train formulas, then the
+    varied grammar's) and, with ``prune.finetune_targets=teacher``, the original's greedy readings
+    of them: read once, shared by every round and by the random-heads baseline."""
+    tune_images, tune_latex = images[:cfg.finetune_images], list(latex[:cfg.finetune_images])
+    if extra is not None:
+        tune_images = torch.cat([tune_images, extra[0]])
+        tune_latex += extra[1]
+    ids = head_scores.own_predictions(original, tune_images, max_length, batch_size, use_cache=cfg.use_cache) \
+        if cfg.finetune_targets == "teacher" else None
+    return tune_images, tune_latex, ids
 
 
 def _share(total: int, r: int, rounds: int) -> int:
