@@ -240,17 +240,15 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
                     cfg.finetune_images if cfg.finetune_steps else 0)
         train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
             if cfg.recovery and n_remove else (torch.zeros(0), [], [])
-        refit_extra, tune_extra = None, None
+        refit_extra, varied = None, []
         n_varied = max(cfg.refit_varied, cfg.finetune_varied if cfg.finetune_steps else 0)
         if n_varied and cfg.recovery and n_remove:
             varied = render_inputs(list(enumerate(varied_formulas(n_varied, ctx.seed))), original.preprocess,
                                    None, ctx.progress, "render varied")
             if cfg.refit_varied:
                 refit_extra = torch.stack([x for _, _, x in varied[:cfg.refit_varied]])
-            if cfg.finetune_varied and cfg.finetune_steps:
-                some = varied[:cfg.finetune_varied]
-                tune_extra = (torch.stack([x for _, _, x in some]), [t for _, t, _ in some])
-        tune = _finetune_set(cfg, original, train_images, train_latex, tune_extra, max_length, batch_size) \
+        tune = _finetune_set(cfg, original, train_images, train_latex, varied[:cfg.finetune_varied], max_length,
+                             batch_size) \
             if cfg.recovery and n_remove and cfg.finetune_steps else None
         eval_items = _eval_items(cfg, ctx, original)
 
@@ -377,14 +375,14 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
 
 
 def _finetune_set(cfg: PruneConfig, original, images: torch.Tensor, latex: list[str],
-                  extra: Optional[tuple[torch.Tensor, list[str]]], max_length: int, batch_size: int) -> tuple:
+                  varied: list, max_length: int, batch_size: int) -> tuple:
     """The finetune's images and LaTeX (the first ``prune.finetune_images`` train formulas, then the
     varied grammar's) and, with ``prune.finetune_targets=teacher``, the original's greedy readings
     of them: read once, shared by every round and by the random-heads baseline."""
     tune_images, tune_latex = images[:cfg.finetune_images], list(latex[:cfg.finetune_images])
-    if extra is not None:
-        tune_images = torch.cat([tune_images, extra[0]])
-        tune_latex += extra[1]
+    if varied:  # render_inputs' (id, LaTeX, image) rows
+        tune_images = torch.cat([tune_images, torch.stack([x for _, _, x in varied])])
+        tune_latex += [t for _, t, _ in varied]
     ids = head_scores.own_predictions(original, tune_images, max_length, batch_size, use_cache=cfg.use_cache) \
         if cfg.finetune_targets == "teacher" else None
     return tune_images, tune_latex, ids
