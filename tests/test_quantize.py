@@ -317,6 +317,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.calib_images=0", "quantize.calib_images must be >= 1"),
     ("quantize.smoothquant=1.5", "quantize.smoothquant must be in (0, 1]"),
     ("quantize.ort_cpu_activations=int4", "quantize.ort_cpu_activations must be one of int8, uint8, got 'int4'"),
+    ("quantize.search_split=shift", "quantize.search_split=shift is one of quantize.eval_splits"),
 ])
 def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)
@@ -618,3 +619,29 @@ def test_a_budget_finer_than_the_search_set_resolves_is_said(searched):
     assert resolution_note({"budget": 0.005, "search_n": 8}) is None  # a plan file from before: no reading kept
     report = (searched / "report.md").read_text()
     assert ("**Resolution:**" in report) == (resolution_note(metrics) is not None)
+
+
+def test_search_split_reads_the_plan_search_on_that_split(root, searched, monkeypatch):
+    """quantize.search_split=train: the plan search (float, methods, both plans, the decoder's) reads
+    the split's first search_images formulas; ranges and sensitivity stay calibration rows."""
+    from pipeline.stages import quantize
+    from tiny_model import tiny_corpus
+
+    train = [f.latex for f in tiny_corpus() if f.split == "train"][:5]
+    seen = []
+    real_read = quantize.read
+
+    def recording(readers, encoder, images, truths, *a, **k):
+        seen.append(list(truths))
+        return real_read(readers, encoder, images, truths, *a, **k)
+
+    monkeypatch.setattr(quantize, "read", recording)
+    _run(root, "quantize.search_split=train", "quantize.search_images=5", "quantize.decoder_search_images=5",
+         "quantize.check=false", "quantize.name=quantize-train-search")
+    metrics = json.loads((root / "quantize-train-search" / "quantize.json").read_text())
+    assert metrics["search_n"] == 5
+    assert metrics["search"]["search_set"] == "train split, its first 5 formulas"
+    assert metrics["search"]["decoder_search_set"] == "train split, its first 5 formulas"
+    assert seen and all(t == train for t in seen)
+    # the default search (calibration rows) is not the same set, and its artifact is not reused for this one
+    assert json.loads((searched / "quantize.json").read_text())["search"]["search_set"].startswith("calibration-set rows")

@@ -66,6 +66,12 @@ class QuantizeConfig:
     # the next rows (with their formulas): accuracy during the search; at 96 one formula was 1 point,
     # twice the budget, and the binary search followed single-formula noise (docs/quantize.md)
     search_images: int = 256
+    # where the search formulas come from: null = calibration-set rows calib_images.. (as many as
+    # search_images) | a corpus split (train: 1,779 formulas, paired SE ~0.3-0.4 point where 256
+    # calibration rows give ~1), its first search_images formulas that render. Never an eval split:
+    # the check would read the formulas the plan was chosen on. The ranges, the sensitivity images
+    # and the decoder's records stay calibration rows
+    search_split: Optional[str] = None
     sensitivity_images: int = 8       # rows whose encoder output scores each group
     metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
@@ -122,6 +128,9 @@ def _validate(cfg: QuantizeConfig) -> None:
                             f"got {cfg.ort_cpu_activations!r}")
     if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
         raise PipelineError(f"quantize.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
+    if cfg.search_split is not None and cfg.search_split in cfg.eval_splits:
+        raise PipelineError(f"quantize.search_split={cfg.search_split} is one of quantize.eval_splits: the check would "
+                            f"read the formulas the plan was chosen on (search on train or calib)")
 
 
 def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
@@ -161,18 +170,24 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     if "text" not in calib_set.column_names:
         raise PipelineError(f"{calib_folder}: the calibration set has no 'text' column; the plan search "
                             f"reads its formulas (build it from a labelled source)")
-    need = cfg.calib_images + max(cfg.search_images, cfg.decoder_search_images if cfg.decoder else 0)
+    need = cfg.calib_images + max(cfg.sensitivity_images,
+                                  0 if cfg.search_split else cfg.search_images,
+                                  cfg.decoder_search_images if cfg.decoder and not cfg.search_split else 0)
     if len(calib_set) < need:
-        raise PipelineError(f"quantize: calib_images + search_images (or decoder_search_images) = {need} > "
-                            f"{len(calib_set)} images in "
+        what = "sensitivity_images" if cfg.search_split else "search_images (or decoder_search_images)"
+        raise PipelineError(f"quantize: calib_images + {what} = {need} > {len(calib_set)} images in "
                             f"{calib_folder}; lower them or build a larger set (calibrate.size)")
     inputs = {"model": ctx.model_hash(model_ref), "calib_set": file_hash(calib_folder / "calib_set"),
               "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"] if _has_corpus(ctx) else ""}
     if cfg.plan:
         inputs["plan"] = file_hash(Path(cfg.plan)) if Path(cfg.plan).is_file() else "missing"
+    if cfg.search_split:
+        inputs["search_split"] = ctx.split_hash(cfg.search_split)
     mcfg = ctx.cfg.model
-    # quantize.original makes another artifact: switching it must not redo this one
-    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")},
+    # quantize.original makes another artifact: switching it must not redo this one; search_split
+    # unset is the search as it was before the option (same key)
+    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")
+                 and not (k == "search_split" and v is None)},
               "model_ref": model_ref, "max_length": int(mcfg.max_length), **ctx.decoding_key(),
               "batch_size": int(mcfg.batch_size)}
     log.info(f"[quantize] model: {model_ref}"
@@ -214,9 +229,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     acts = given.ort_cpu_activations if given else cfg.ort_cpu_activations
 
     lap('float graphs')
-    search_images = calib_images(calib_set, cfg.calib_images, cfg.calib_images + cfg.search_images)
-    search_truths = calib_set[cfg.calib_images:cfg.calib_images + cfg.search_images]["text"]
-    sens_images = search_images[:cfg.sensitivity_images]
+    search_images, search_truths, search_set = _search_set(cfg, ctx, adapter, calib_set)
+    sens_images = calib_images(calib_set, cfg.calib_images, cfg.calib_images + cfg.sensitivity_images)
     package = graphs.package  # encoder outputs (sensitivity)
     readers = graphs.open_readers(int(mcfg.threads or 0), cfg.workers)  # greedy readings of the search set
     float_reading = read(readers, graphs.encoder_std, search_images, search_truths, max_length, batch)
@@ -373,19 +387,26 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     # encoder plan in place (the loss is measured against the package with the float decoder)
     decoder_reading, decoder_trace, decoder_sens = None, [], []
     if (given.decoder == "int8") if given else cfg.decoder:
-        dec_end = cfg.calib_images + cfg.decoder_search_images
-        dec_images = calib_images(calib_set, cfg.calib_images, dec_end)
-        dec_truths = calib_set[cfg.calib_images:dec_end]["text"]
+        if cfg.search_split:  # the search set's first decoder_search_images formulas
+            n_dec = min(cfg.decoder_search_images, len(search_truths))
+            dec_images, dec_truths = search_images[:n_dec], search_truths[:n_dec]
+            dec_set = f"{cfg.search_split} split, its first {n_dec} formulas"
+        else:
+            n_dec = cfg.decoder_search_images
+            dec_end = cfg.calib_images + n_dec
+            dec_images = calib_images(calib_set, cfg.calib_images, dec_end)
+            dec_truths = calib_set[cfg.calib_images:dec_end]["text"]
+            dec_set = f"calibration-set rows {cfg.calib_images}..{dec_end - 1}"
         decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
-            cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, sens_images, max_length, batch,
-            int(mcfg.threads or 0), ctx.progress,
+            cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, dec_set, sens_images, max_length,
+            batch, int(mcfg.threads or 0), ctx.progress,
             # the same rows as the search set: the ort_cpu encoder's reading with the float decoder is made
-            ort_reading if cfg.decoder_search_images == cfg.search_images else None)
+            ort_reading if n_dec == len(search_truths) else None)
     else:
         plan.decoder, plan.decoder_nodes = "float", {}
     lap('decoder plan')
     plan.measured = {
-        "search_set": f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(search_truths) - 1}",
+        "search_set": search_set,
         "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
         "plan_exact_match": final_reading.exact_match, "plan_cer": final_reading.cer,
         "ort_cpu_exact_match": ort_reading.exact_match, "ort_cpu_cer": ort_reading.cer,
@@ -459,7 +480,8 @@ def resolution_note(m: dict) -> Optional[str]:
     return (f"the budget ({m['budget']:.1%} exact match) is finer than the {m['search_n']} search formulas resolve: "
             f"the ort_cpu plan's loss there is {r['loss']:+.1%} with a paired standard error of {r['loss_se']:.1%} "
             f"({r['gained']} formulas gained, {r['lost']} lost vs float), so on other formulas it may exceed the "
-            f"budget; more search formulas (quantize.search_images, calibrate.size) resolve it better")
+            f"budget; more search formulas resolve it better (quantize.search_split=train "
+            f"quantize.search_images=2000: the whole train split)")
 
 
 def _smoothed(adapter, calib_set, rows: int, alpha: float):
@@ -478,7 +500,8 @@ def _smoothed(adapter, calib_set, rows: int, alpha: float):
 
 
 def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
-                  images: np.ndarray, truths, sens_images: np.ndarray, max_length: int, batch: int, threads: int,
+                  images: np.ndarray, truths, rows: str, sens_images: np.ndarray, max_length: int, batch: int,
+                  threads: int,
                   progress: bool, base: Optional[Reading] = None) -> tuple[dict, list[dict], list[dict]]:
     """Rank the decoder-step weight matrices by the logit SNR each costs alone in 8 bits (recorded
     greedy step inputs), then return the most sensitive to float until the exact-match loss on the
@@ -547,7 +570,6 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
     if int8:
         for g, path in final.items():
             shutil.copyfile(path, folder / DECODERS[g])
-    rows = f"calibration-set rows {cfg.calib_images}..{cfg.calib_images + len(truths) - 1}"
     return ({"decoder_search_set": rows, "decoder_float_exact_match": base.exact_match, "decoder_float_cer": base.cer,
              "ort_cpu_int8_decoder_exact_match": r.exact_match, "ort_cpu_int8_decoder_cer": r.cer,
              "ort_cpu_int8_decoder_identical": r.identical_to(base), "decoder_int8_nodes": len(int8),
@@ -587,12 +609,23 @@ def _num(x: float) -> float:
     return round(float(x), 4) if np.isfinite(x) else (1e9 if x > 0 else -1e9)
 
 
-def _eval_set(cfg: QuantizeConfig, ctx: StageContext, adapter, split: str = "eval") -> tuple[np.ndarray, list[str]]:
-    items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], adapter.preprocess, cfg.eval_limit,
+def _eval_set(ctx: StageContext, adapter, split: str, limit: int) -> tuple[np.ndarray, list[str]]:
+    items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], adapter.preprocess, limit,
                           ctx.progress, f"quantize {split}")
     if not items:
         raise PipelineError(f"quantize: no {split}-split formula could be rendered")
     return np.stack([x.numpy() for _, _, x in items]).astype(np.float32), [latex for _, latex, _ in items]
+
+
+def _search_set(cfg: QuantizeConfig, ctx: StageContext, adapter, calib_set) -> tuple[np.ndarray, list[str], str]:
+    """The formulas the plan search reads (images, truths, and a line saying which): calibration-set
+    rows after the ranges' rows, or the first ``search_images`` of ``quantize.search_split``."""
+    if cfg.search_split:
+        images, truths = _eval_set(ctx, adapter, cfg.search_split, cfg.search_images)
+        return images, truths, f"{cfg.search_split} split, its first {len(truths)} formulas"
+    end = cfg.calib_images + cfg.search_images
+    return (calib_images(calib_set, cfg.calib_images, end), calib_set[cfg.calib_images:end]["text"],
+            f"calibration-set rows {cfg.calib_images}..{end - 1}")
 
 
 def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
@@ -602,7 +635,7 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
     accuracy columns also on the other ``quantize.eval_splits`` (the shift split: sources training
     never saw)."""
     max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
-    sets = {split: _eval_set(cfg, ctx, adapter, split) for split in cfg.eval_splits}
+    sets = {split: _eval_set(ctx, adapter, split, cfg.eval_limit) for split in cfg.eval_splits}
     images, truths = sets[cfg.eval_splits[0]]
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
         "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
