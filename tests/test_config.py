@@ -36,6 +36,9 @@ def test_defaults_compose_and_stage_group_selects_stage():
         assert cfg.stage == name
         assert OmegaConf.to_object(cfg[spec.config_key]) == spec.config_cls()
     assert OmegaConf.to_object(cfg.model) == ModelConfig() and OmegaConf.to_object(cfg.data) == DataConfig()
+    # stage=all searches the quantize plan on the whole train split, never on an eval split
+    chain = compose_cfg(["stage=all"]).quantize
+    assert chain.search_split == "train" and chain.search_images >= 1779 and chain.search_split not in chain.eval_splits
     typed = OmegaConf.to_object(compose_cfg(["eval.limit=7"]))  # an override arrives typed, in its section
     assert typed.eval.limit == 7 and typed.eval.model == "original"
 
