@@ -615,6 +615,7 @@ def test_a_budget_finer_than_the_search_set_resolves_is_said(searched):
     m = {"budget": 0.005, "search_n": 256, "ort_cpu_search": {"loss": 0.0, "gained": 3, "lost": 3, "loss_se": 0.0095}}
     note = resolution_note(m)
     assert note and "256 search formulas" in note and "+0.0%" in note and "0.9%" in note and "3 lost" in note
+    assert "quantize.search_split=train" in note  # what buys the resolution
     assert resolution_note({**m, "ort_cpu_search": {**m["ort_cpu_search"], "loss_se": 0.004}}) is None
     assert resolution_note({"budget": 0.005, "search_n": 8}) is None  # a plan file from before: no reading kept
     report = (searched / "report.md").read_text()
