@@ -646,3 +646,9 @@ def test_search_split_reads_the_plan_search_on_that_split(root, searched, monkey
     assert seen and all(t == train for t in seen)
     # the default search (calibration rows) is not the same set, and its artifact is not reused for this one
     assert json.loads((searched / "quantize.json").read_text())["search"]["search_set"].startswith("calibration-set rows")
+
+
+def test_an_unknown_search_split_is_one_error_and_no_artifact(root):
+    with pytest.raises(PipelineError, match="corpus split 'trian' is empty"):
+        _run(root, "quantize.search_split=trian", "quantize.name=quantize-bad-split")
+    assert not (root / "quantize-bad-split").exists() and not list(root.glob(".tmp-quantize-bad-split*"))

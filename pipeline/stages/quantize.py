@@ -182,6 +182,7 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     if cfg.plan:
         inputs["plan"] = file_hash(Path(cfg.plan)) if Path(cfg.plan).is_file() else "missing"
     if cfg.search_split:
+        ctx.split(cfg.search_split)  # an unknown or empty split: one error line before any work
         inputs["search_split"] = ctx.split_hash(cfg.search_split)
     mcfg = ctx.cfg.model
     # quantize.original makes another artifact: switching it must not redo this one; search_split
