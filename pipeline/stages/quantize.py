@@ -610,7 +610,8 @@ def _num(x: float) -> float:
     return round(float(x), 4) if np.isfinite(x) else (1e9 if x > 0 else -1e9)
 
 
-def _eval_set(ctx: StageContext, adapter, split: str, limit: int) -> tuple[np.ndarray, list[str]]:
+def _split_set(ctx: StageContext, adapter, split: str, limit: int) -> tuple[np.ndarray, list[str]]:
+    """The first ``limit`` formulas of a corpus split that render, as model inputs, with their LaTeX."""
     items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], adapter.preprocess, limit,
                           ctx.progress, f"quantize {split}")
     if not items:
@@ -622,7 +623,7 @@ def _search_set(cfg: QuantizeConfig, ctx: StageContext, adapter, calib_set) -> t
     """The formulas the plan search reads (images, truths, and a line saying which): calibration-set
     rows after the ranges' rows, or the first ``search_images`` of ``quantize.search_split``."""
     if cfg.search_split:
-        images, truths = _eval_set(ctx, adapter, cfg.search_split, cfg.search_images)
+        images, truths = _split_set(ctx, adapter, cfg.search_split, cfg.search_images)
         return images, truths, f"{cfg.search_split} split, its first {len(truths)} formulas"
     end = cfg.calib_images + cfg.search_images
     return (calib_images(calib_set, cfg.calib_images, end), calib_set[cfg.calib_images:end]["text"],
@@ -636,7 +637,7 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
     accuracy columns also on the other ``quantize.eval_splits`` (the shift split: sources training
     never saw)."""
     max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
-    sets = {split: _eval_set(ctx, adapter, split, cfg.eval_limit) for split in cfg.eval_splits}
+    sets = {split: _split_set(ctx, adapter, split, cfg.eval_limit) for split in cfg.eval_splits}
     images, truths = sets[cfg.eval_splits[0]]
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
         "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
