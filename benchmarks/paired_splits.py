@@ -8,6 +8,7 @@ readings that ran to the length cap. Writes the rows as JSON lines.
 
     python benchmarks/paired_splits.py artifacts export-ort_cpu-float-original export-ort_cpu-float-chain \
         --splits eval shift
+    python benchmarks/paired_splits.py artifacts export-float-chain export-p-all export-qat-all   # several variants
 """
 from __future__ import annotations
 
@@ -57,25 +58,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifacts", type=Path)
     ap.add_argument("a", help="package folder (under artifacts, or a path): the reference")
-    ap.add_argument("b", help="package folder: the variant")
+    ap.add_argument("b", nargs="+", help="package folder(s): the variant(s), each paired against the reference")
     ap.add_argument("--splits", nargs="+", default=["eval", "shift"])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
     args = ap.parse_args()
     ctx = StageContext.compose(args.artifacts.resolve())
     cap = int(ctx.cfg.model.max_length)
-    folders = [p if p.is_dir() else args.artifacts / p for p in (Path(args.a), Path(args.b))]
+    folders = [p if p.is_dir() else args.artifacts / p for p in (Path(args.a), *map(Path, args.b))]
     packages = [OnnxPackage(f, threads=args.threads) for f in folders]
     rows = []
     for split in args.splits:
         items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], packages[0].preprocess, None, False, split)
         images = np.stack([np.asarray(x, np.float32) for _, _, x in items])
         truths = [latex for _, latex, _ in items]
-        ra, rb = (read(p, None, images, truths, cap, 8) for p in packages)
-        row = {"split": split, "a": args.a, "b": args.b,
-               **compare(ra, rb, truths, cap - 1)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        ra = read(packages[0], None, images, truths, cap, 8)
+        for b, package in zip(args.b, packages[1:]):
+            row = {"split": split, "a": args.a, "b": b,
+                   **compare(ra, read(package, None, images, truths, cap, 8), truths, cap - 1)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     with (args.out or args.artifacts / "paired-splits.jsonl").open("a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
