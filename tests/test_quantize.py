@@ -203,6 +203,68 @@ def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, sea
     assert ln and any(not np.allclose(plain[n], smooth[n]) for n in ln)
 
 
+def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(root, searched):
+    """quantize.qat_steps: the graphs are made from encoder weights finetuned with INT8 fake
+    quantizers (its projections' weights differ from the default run's), every loss is still against
+    the float model handed over (the same float reading as the default run), the plan records the
+    finetune, and applying that plan finetunes again to the same graphs (deterministic)."""
+    _run(root, "quantize.qat_steps=2", "quantize.qat_images=8", "quantize.qat_lr=1e-3", "quantize.methods=[minmax]",
+         "quantize.name=quantize-qat")
+    out = root / "quantize-qat"
+    assert json.loads((out / "plan.json").read_text())["qat"] == {"steps": 2, "lr": 1e-3, "images": 8}
+    metrics, base = (json.loads((f / "quantize.json").read_text()) for f in (out, searched))
+    assert metrics["qat"]["steps"] == 2 and metrics["qat"]["quantized_modules"] > 0
+    assert metrics["search"]["float_exact_match"] == base["search"]["float_exact_match"]
+    assert metrics["search"]["float_cer"] == base["search"]["float_cer"]
+    assert "Quantization-aware finetune: 2 of 2 steps" in (out / "report.md").read_text()
+    assert "Quantization-aware finetune: off" in (searched / "report.md").read_text()
+
+    def weights(folder: Path) -> dict[str, np.ndarray]:
+        model = onnx.load(str(folder / "encoder.ort_cpu.qdq.onnx"))
+        return {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer if t.name.endswith("_quantized")}
+
+    mine, default = weights(out), weights(searched)
+    shared = set(mine) & set(default)
+    assert shared and any(not np.array_equal(mine[n], default[n]) for n in shared)
+    _run(root, f"quantize.plan={out / 'plan.json'}", "quantize.name=quantize-qat-applied")
+    again = root / "quantize-qat-applied"
+    assert json.loads((again / "plan.json").read_text())["qat"] == {"steps": 2, "lr": 1e-3, "images": 8}
+    for name in ("encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_fake_quantizers_sit_on_the_encoder_projections_only_and_come_off():
+    """ModelOpt's INT8 quantizers go on the encoder's nn.Linear modules (not its LayerNorms, not the
+    decoder's); the finetuned copy is a plain model again, the decoder's weights untouched."""
+    import torch
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from pipeline.data.render import render_formula
+    from pipeline.quantization import qat
+
+    adapter = build_tiny()
+    linear = qat.encoder_linears(adapter)
+    decoder = {id(p) for p in adapter.decoder_parameters()}
+    modules = dict(adapter.model.named_modules())
+    assert linear and all(id(modules[n].weight) not in decoder for n in linear)
+    assert any(isinstance(m, torch.nn.Linear) and id(m.weight) in decoder for m in modules.values())
+    images = torch.stack([adapter.preprocess(render_formula(f)) for f in FORMULAS[:4]])
+    twin = build_tiny()
+    assert qat.fake_quantize(twin.model, linear, images, twin.encode, 99.99) == sorted(linear)
+    on = {n.rsplit(".", 1)[0] for n, m in twin.model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled}
+    assert on == linear
+    with torch.no_grad():
+        assert not torch.equal(twin.encode(images), adapter.encode(images))  # INT8 noise
+    targets = [[adapter.bos_id, 5, 6, adapter.eos_id]] * 4
+    tuned, report = qat.finetuned_copy(adapter, images, images, steps=2, lr=1e-2, targets=targets)
+    assert report["steps"] == 2 and report["quantized_modules"] == len(linear)
+    assert not any(isinstance(m, TensorQuantizer) for m in tuned.model.modules())
+    before, after = dict(adapter.model.named_parameters()), dict(tuned.model.named_parameters())
+    assert before.keys() == after.keys()
+    assert all(torch.equal(p, after[n]) for n, p in before.items() if id(p) in decoder)
+    assert any(not torch.equal(before[f"{n}.weight"], after[f"{n}.weight"]) for n in linear)
+
+
 def test_plan_round_trip_and_validation(tmp_path):
     from pipeline.quantization.plan import GroupPlan, Plan, load
 
@@ -259,6 +321,19 @@ def test_plan_round_trip_and_validation(tmp_path):
     (tmp_path / "acts.json").write_text(json.dumps(raw))
     with pytest.raises(PipelineError, match="'ort_cpu_activations' must be one of \\('int8', 'uint8'\\), got 'int4'"):
         load(tmp_path / "acts.json", list(plan.groups), ["minmax"])
+    # and the quantization-aware finetune the graphs were made after; a bad one is named
+    from pipeline.quantization.plan import qat_of
+
+    plan.qat = {"steps": 200, "lr": 2e-5, "images": 512}
+    plan.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json", list(plan.groups), ["minmax"]).qat == plan.qat == qat_of(tmp_path / "p.json")
+    assert qat_of(tmp_path / "old.json") is None and qat_of(tmp_path / "junk.json") is None
+    raw = json.loads((tmp_path / "p.json").read_text())
+    raw["qat"] = {"steps": 0, "lr": 1e-5, "images": 8}
+    (tmp_path / "qat.json").write_text(json.dumps(raw))
+    for read_it in (lambda f: load(f, list(plan.groups), ["minmax"]), qat_of):
+        with pytest.raises(PipelineError, match="'qat' needs steps >= 1"):
+            read_it(tmp_path / "qat.json")
 
 
 def test_attention_fusion_keeps_the_encoder_output(tmp_path):
@@ -318,6 +393,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.smoothquant=1.5", "quantize.smoothquant must be in (0, 1]"),
     ("quantize.ort_cpu_activations=int4", "quantize.ort_cpu_activations must be one of int8, uint8, got 'int4'"),
     ("quantize.search_split=shift", "quantize.search_split=shift is one of quantize.eval_splits"),
+    ("quantize.qat_steps=-1", "quantize.qat_steps must be >= 0"),
 ])
 def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)

@@ -42,6 +42,8 @@ class Plan:
     # the ort_cpu encoder's activations: uint8 (asymmetric) | int8 (symmetric; what a plan file without
     # the key was made with). The plain graph's are symmetric int8 always (TensorRT, MacaRT)
     ort_cpu_activations: str = "int8"
+    # the quantization-aware finetune the graphs were made after ({steps, lr, images}; None: none)
+    qat: dict[str, Any] | None = None
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -113,6 +115,7 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
         raise PipelineError(f"quantize.plan: 'ort_cpu_activations' must be one of {ACTIVATIONS}, got {acts!r}")
     return Plan(method=raw["method"], groups=parsed, budget=budget, met_budget=bool(raw.get("met_budget", True)),
                 smoothquant=_alpha(raw.get("smoothquant"), path), ort_cpu_activations=acts,
+                qat=_qat(raw.get("qat"), path),
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
                 decoder_nodes={str(k): str(v) for k, v in nodes.items()},
                 ort_cpu_groups={str(k): str(v) for k, v in ort.items()})
@@ -124,6 +127,28 @@ def _alpha(value: Any, path: Path) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
         raise PipelineError(f"quantize.plan: {path}: 'smoothquant' must be null or a number in (0, 1], got {value!r}")
     return float(value)
+
+
+def _qat(value: Any, path: Path) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    try:
+        steps, lr, images = int(value["steps"]), float(value["lr"]), int(value["images"])
+    except (TypeError, KeyError, ValueError):
+        raise PipelineError(f"quantize.plan: {path}: 'qat' must be null or {{steps, lr, images}}, got {value!r}") from None
+    if steps < 1 or not lr > 0 or images < 1:
+        raise PipelineError(f"quantize.plan: {path}: 'qat' needs steps >= 1, lr > 0, images >= 1, got {value!r}")
+    return {"steps": steps, "lr": lr, "images": images}
+
+
+def qat_of(path: str | Path) -> dict[str, Any] | None:
+    """The quantization-aware finetune a plan file was made after (read before its groups can be
+    checked, like :func:`smoothquant_of`)."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # load() names what is wrong with the file
+    return _qat(raw.get("qat"), Path(path)) if isinstance(raw, dict) else None
 
 
 def smoothquant_of(path: str | Path) -> float | None:

@@ -41,7 +41,8 @@ from pipeline.quantization import anchors, qdq
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.groups import find_groups
 from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
-from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan, smoothquant_of as plan_smoothquant
+from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan, qat_of as plan_qat, \
+    smoothquant_of as plan_smoothquant
 from pipeline.quantization.graphs import FloatGraphs, float_graphs
 from pipeline.reports import Phases, markdown_table, plt, savefig
 
@@ -97,6 +98,15 @@ class QuantizeConfig:
     # Runtime CPU runs U8S8 at the speed of S8S8) | int8 = symmetric, zero point 0. The plain graph
     # (TensorRT, Metax) is symmetric int8 regardless. A plan file carries its own (quantize.plan wins)
     ort_cpu_activations: str = "uint8"
+    # quantization-aware finetune of the encoder before its graphs are made (pipeline/quantization/qat.py):
+    # this many AdamW steps with ModelOpt's INT8 fake quantizers on every encoder projection, distilled
+    # from the float model on its own greedy readings of the first qat_images calibration rows; the
+    # graphs are then made and quantized from the finetuned weights, and every loss is still measured
+    # against the float model handed over. 0 = off. A plan file carries its own (quantize.plan wins)
+    qat_steps: int = 0
+    qat_lr: float = 2e-5
+    qat_images: int = 512             # calibration-set rows (from row 0) it trains on
+    qat_minutes: float = 60.0         # wall-clock bound on the steps
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: on. Its plan check reads the first original_search_images rows of the search set
@@ -113,6 +123,9 @@ def _validate(cfg: QuantizeConfig) -> None:
                 "decoder_search_images", "workers", "original_search_images"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"quantize.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.qat_steps < 0 or cfg.qat_images < 1 or not cfg.qat_lr > 0 or not cfg.qat_minutes > 0:
+        raise PipelineError(f"quantize.qat_steps must be >= 0, qat_images >= 1, qat_lr and qat_minutes > 0; got "
+                            f"{cfg.qat_steps}, {cfg.qat_images}, {cfg.qat_lr}, {cfg.qat_minutes}")
     if not 0.0 <= cfg.budget < 1.0:
         raise PipelineError(f"quantize.budget must be in [0, 1) (a share of exact match), got {cfg.budget}")
     unknown = [m for m in cfg.methods if m not in METHODS]
@@ -223,7 +236,17 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     if alpha is not None:  # the chain's model stays as it is: only the graphs made here are smoothed
         adapter, smoothing, rows_hash = _smoothed(adapter, calib_set, cfg.calib_images, alpha)
         graph_key += f":smoothquant={alpha}:{rows_hash}"
+    qat_cfg = plan_qat(cfg.plan) if cfg.plan else (
+        {"steps": cfg.qat_steps, "lr": cfg.qat_lr, "images": cfg.qat_images} if cfg.qat_steps else None)
+    qat_report: dict = {}
+    reference = None  # the float model's graphs when the quantized ones are made from finetuned weights
+    if qat_cfg:
+        (scratch / "reference").mkdir()
+        reference = float_graphs(adapter, scratch / "reference", max_length, graph_key, threads=int(mcfg.threads or 0))
+        adapter, qat_report, rows_hash = _qat(adapter, calib_set, cfg, qat_cfg, ctx)
+        graph_key += f":qat={json.dumps(qat_cfg, sort_keys=True)}:{rows_hash}"
     graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, graph_key, threads=int(mcfg.threads or 0))
+    reference = reference or graphs
     groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
     by_name = {g.name: g for g in groups}
     given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
@@ -234,7 +257,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     sens_images = calib_images(calib_set, cfg.calib_images, cfg.calib_images + cfg.sensitivity_images)
     package = graphs.package  # encoder outputs (sensitivity)
     readers = graphs.open_readers(int(mcfg.threads or 0), cfg.workers)  # greedy readings of the search set
-    float_reading = read(readers, graphs.encoder_std, search_images, search_truths, max_length, batch)
+    # the loss is against the float model handed over (with QAT on, not the finetuned one: same decoders)
+    float_reading = read(readers, reference.encoder_std, search_images, search_truths, max_length, batch)
     ref_memory = encoder_outputs(package, graphs.encoder_std, sens_images)
     score = sensitivity.metric(cfg.metric)
 
@@ -414,7 +438,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: _num(all_int8_score),
         **(decoder_reading or {}),
     }
-    plan.smoothquant, plan.ort_cpu_activations = alpha, acts
+    plan.smoothquant, plan.ort_cpu_activations, plan.qat = alpha, acts, qat_cfg
     plan.save(folder / "plan.json")
 
     # 5. the check on eval formulas, beside the anchors
@@ -424,7 +448,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         return r.exact_match, [float(e) for e in r.exact]
 
     table = _check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds,
-                           validate, len(search_truths)) if cfg.check or cfg.anchors else []
+                           validate, len(search_truths), reference) if cfg.check or cfg.anchors else []
     lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
@@ -444,7 +468,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
                          "macs": by_name[s.group].macs, "kind": by_name[s.group].kind} for s in ranked],
         "all_int8_score": _num(all_int8_score), "metric": cfg.metric, "smoothquant": alpha,
         "ort_cpu_activations": acts,
-        "smoothing": smoothing,
+        "smoothing": smoothing, "qat": qat_report,
         "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
                     "total": round(time.perf_counter() - started, 1)},
         "phase_seconds": phases.seconds,
@@ -498,6 +522,27 @@ def _smoothed(adapter, calib_set, rows: int, alpha: float):
     images = calib_images(calib_set, 0, rows)
     smoothed, report = smooth.smoothed_copy(adapter, torch.from_numpy(images), alpha)
     return smoothed, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
+
+
+def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageContext):
+    """A copy of ``adapter`` whose encoder learnt to tolerate INT8 (:mod:`pipeline.quantization.qat`),
+    its report, and a fingerprint of the rows it saw (the graphs' cache key). The fake quantizers'
+    ranges: the 99.99th percentile (the stage's default method) over the first ``calib_images`` rows;
+    the training images: the first ``images`` rows."""
+    import hashlib
+
+    import torch
+
+    from pipeline.quantization import qat
+
+    mcfg = ctx.cfg.model
+    images = calib_images(calib_set, 0, min(int(qat_cfg["images"]), len(calib_set)))
+    ranges = torch.from_numpy(images[:cfg.calib_images])
+    finetuned, report = qat.finetuned_copy(
+        adapter, ranges, torch.from_numpy(images), steps=int(qat_cfg["steps"]), lr=float(qat_cfg["lr"]),
+        minutes=cfg.qat_minutes, seed=ctx.seed, max_length=int(mcfg.max_length), read_batch=int(mcfg.batch_size),
+        progress=ctx.progress)
+    return finetuned, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
 
 def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given,
@@ -632,15 +677,17 @@ def _search_set(cfg: QuantizeConfig, ctx: StageContext, adapter, calib_set) -> t
 
 def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_set, by_name, plan: Plan,
                    scratch: Path, search_seconds: float, validate: anchors.Validate | None = None,
-                   search_rows: int = 0) -> list[dict]:
+                   search_rows: int = 0, reference: FloatGraphs | None = None) -> list[dict]:
     """Float, ours and the anchors on the same eval formulas and session options: one table; the
     accuracy columns also on the other ``quantize.eval_splits`` (the shift split: sources training
-    never saw)."""
+    never saw). ``reference``: the float model's graphs when ``graphs`` are of finetuned weights
+    (QAT): float and the anchors are of the model handed over, ours of the finetuned one."""
+    reference = reference or graphs
     max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
     sets = {split: _split_set(ctx, adapter, split, cfg.eval_limit) for split in cfg.eval_splits}
     images, truths = sets[cfg.eval_splits[0]]
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
-        "float (ort_cpu package)": (graphs.encoder_ort, 0.0, 0.0),
+        "float (ort_cpu package)": (reference.encoder_ort, 0.0, 0.0),
         "ours (plan, ort_cpu graph)": (folder / QDQ_ENCODER_ORT, _mac_share(by_name, set(plan.ort_cpu_int8_groups())),
                                        search_seconds),
         "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
@@ -651,7 +698,7 @@ def _check_on_eval(cfg, ctx, adapter, graphs: FloatGraphs, folder: Path, calib_s
     float_readers = graphs.open_readers(int(ctx.cfg.model.threads or 0), cfg.workers)
     notes: dict[str, str] = {}
     if cfg.anchors:
-        for name, (path, share, secs, note) in anchors.build_all(graphs, scratch, calib_set, cfg.calib_images,
+        for name, (path, share, secs, note) in anchors.build_all(reference, scratch, calib_set, cfg.calib_images,
                                                                   by_name, validate, search_rows,
                                                                   cfg.budget).items():
             if path is None:
@@ -800,6 +847,7 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
         f"Files: `plan.json` (edit a precision, feed it back with `quantize.plan=FILE`), `{QDQ_ENCODER}` "
         f"(TensorRT, Metax), `{QDQ_ENCODER_ORT}` (ONNX Runtime CPU, attention fused and float).\n\n"
         f"## Calibration methods (weight groups INT8, search set)\n\n{methods}\n\n{_smoothing_line(m)}\n\n"
+        f"{_qat_line(m)}\n\n"
         f"## Sensitivity ({m['metric']} of the encoder output on calibration images; "
         f"all groups INT8: {m['all_int8_score']:.1f})"
         + (f": the numbers the plan file carries, measured on the model it was made for" if applied else "")
@@ -832,6 +880,17 @@ def _smoothing_line(m: dict) -> str:
     return (f"SmoothQuant: alpha {m['smoothquant']} folded into the model's LayerNorms and value projections before "
             f"export (the graphs above are of that model; the float function is the same). Largest over median "
             f"input-channel maximum of each smoothed projection, before → after: {ranges}.")
+
+
+def _qat_line(m: dict) -> str:
+    q = m.get("qat") or {}
+    if not q:
+        return ("Quantization-aware finetune: off (`quantize.qat_steps=N` trains the encoder with INT8 fake "
+                "quantizers first, `pipeline/quantization/qat.py`).")
+    return (f"Quantization-aware finetune: {q['steps']} of {q['planned_steps']} steps (lr {q['lr']}, batch "
+            f"{q['batch_size']}, {q['images']} calibration images, {q['quantized_modules']} encoder projections with "
+            f"ModelOpt INT8 fake quantizers, {q['seconds']:.0f} s); the graphs above are of the finetuned weights, "
+            f"every loss is against the float model handed over.")
 
 
 def _decoder_section(m: dict) -> str:
