@@ -218,6 +218,9 @@ def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(roo
     assert metrics["search"]["float_cer"] == base["search"]["float_cer"]
     assert "Quantization-aware finetune: 2 of 2 steps" in (out / "report.md").read_text()
     assert "Quantization-aware finetune: off" in (searched / "report.md").read_text()
+    # off, the artifact's key is what it was before the option (earlier artifacts stay valid)
+    assert json.loads((out / "manifest.json").read_text())["config"]["qat_steps"] == 2
+    assert not any(k.startswith("qat_") for k in json.loads((searched / "manifest.json").read_text())["config"])
 
     def weights(folder: Path) -> dict[str, np.ndarray]:
         model = onnx.load(str(folder / "encoder.ort_cpu.qdq.onnx"))

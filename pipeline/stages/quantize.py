@@ -199,9 +199,10 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
         inputs["search_split"] = ctx.split_hash(cfg.search_split)
     mcfg = ctx.cfg.model
     # quantize.original makes another artifact: switching it must not redo this one; search_split
-    # unset is the search as it was before the option (same key)
+    # unset is the search as it was before the option, QAT off the stage as before it (same key)
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")
-                 and not (k == "search_split" and v is None)},
+                 and not (k == "search_split" and v is None)
+                 and not (k.startswith("qat_") and not cfg.qat_steps)},  # QAT off: the key as before it
               "model_ref": model_ref, "max_length": int(mcfg.max_length), **ctx.decoding_key(),
               "batch_size": int(mcfg.batch_size)}
     log.info(f"[quantize] model: {model_ref}"
