@@ -49,7 +49,8 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     from pipeline.stages import export
 
     original, adapter = _tiny_with_calib_set(tmp_path)
-    baselines = ["quantize.original=true", "export.baselines=true"]  # stage=all's settings
+    baselines = ["quantize.original=true", "export.baselines=true",  # stage=all's settings
+                 "quantize.qat_steps=2", "quantize.qat_images=8"]
     decoded = []  # models whose torch parity reading was decoded (not handed over from another package)
     real = export.token_parity
     monkeypatch.setattr(export, "token_parity", lambda adapter, *a, reference=None, **k: (
@@ -73,6 +74,7 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     assert [{g: p["precision"] for g, p in plan["groups"].items()} for plan in plans][0] == \
         {g: p["precision"] for g, p in plans[1]["groups"].items()}
     assert plans[0]["ort_cpu_groups"] == plans[1]["ort_cpu_groups"] and plans[1]["note"].startswith("applied from")
+    assert plans[0]["qat"] == plans[1]["qat"] == {"steps": 2, "lr": 2e-5, "images": 8}  # the original finetuned too
     assert "plan applied from" in (tmp_path / "quantize-original" / "report.md").read_text()
     int8 = json.loads((tmp_path / "export-ort_cpu-int8-original" / "manifest.json").read_text())
     assert int8["config"]["model_ref"] == str(original)

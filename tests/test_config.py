@@ -39,6 +39,8 @@ def test_defaults_compose_and_stage_group_selects_stage():
     # stage=all searches the quantize plan on the whole train split, never on an eval split
     chain = compose_cfg(["stage=all"]).quantize
     assert chain.search_split == "train" and chain.search_images >= 1779 and chain.search_split not in chain.eval_splits
+    # ... after a quantization-aware finetune of the encoder (off in the stage alone)
+    assert chain.qat_steps > 0 and compose_cfg(["stage=quantize"]).quantize.qat_steps == 0
     typed = OmegaConf.to_object(compose_cfg(["eval.limit=7"]))  # an override arrives typed, in its section
     assert typed.eval.limit == 7 and typed.eval.model == "original"
 

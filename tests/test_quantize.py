@@ -208,8 +208,9 @@ def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(roo
     quantizers (its projections' weights differ from the default run's), every loss is still against
     the float model handed over (the same float reading as the default run), the plan records the
     finetune, and applying that plan finetunes again to the same graphs (deterministic)."""
+    quick = ("quantize.check=false", "quantize.decoder=false")
     _run(root, "quantize.qat_steps=2", "quantize.qat_images=8", "quantize.qat_lr=1e-3", "quantize.methods=[minmax]",
-         "quantize.name=quantize-qat")
+         *quick, "quantize.name=quantize-qat")
     out = root / "quantize-qat"
     assert json.loads((out / "plan.json").read_text())["qat"] == {"steps": 2, "lr": 1e-3, "images": 8}
     metrics, base = (json.loads((f / "quantize.json").read_text()) for f in (out, searched))
@@ -229,7 +230,7 @@ def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(roo
     mine, default = weights(out), weights(searched)
     shared = set(mine) & set(default)
     assert shared and any(not np.array_equal(mine[n], default[n]) for n in shared)
-    _run(root, f"quantize.plan={out / 'plan.json'}", "quantize.name=quantize-qat-applied")
+    _run(root, f"quantize.plan={out / 'plan.json'}", *quick, "quantize.name=quantize-qat-applied")
     again = root / "quantize-qat-applied"
     assert json.loads((again / "plan.json").read_text())["qat"] == {"steps": 2, "lr": 1e-3, "images": 8}
     for name in ("encoder.qdq.onnx", "encoder.ort_cpu.qdq.onnx"):
