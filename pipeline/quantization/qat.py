@@ -21,9 +21,10 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from pipeline.pruning import recover
-from pipeline.pruning.scores import own_predictions
+
 
 def encoder_linears(adapter) -> set[str]:
     """The ``nn.Linear`` modules of ``adapter.model`` outside its decoder (the adapter says which
@@ -80,8 +81,11 @@ def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: in
     started = time.perf_counter()
     teacher = adapter
     teacher.model.eval()
-    if targets is None:
-        targets = own_predictions(teacher, images, max_length, read_batch, use_cache=True)
+    if targets is None:  # BOS ... EOS, what the student is teacher-forced on
+        with tqdm(total=len(images), desc="QAT: float readings", disable=not progress) as bar:
+            result = teacher.generate(images, max_length=max_length, batch_size=read_batch, use_cache=True,
+                                      progress=bar.update)
+        targets = [[teacher.bos_id, *ids] for ids in result.token_ids]
     read_s = time.perf_counter() - started
     student = copy.copy(teacher)
     student.model = copy.deepcopy(teacher.model)
