@@ -93,6 +93,13 @@ def _task(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         interrupts.finished()
         fail("interrupted; previous artifacts left as they were", interrupted=True)
+    except Exception:
+        # a native call (pybind11: matplotlib's savefig, ...) turned the signal's KeyboardInterrupt
+        # into an error of its own: the run was still interrupted, and says so in one line
+        if not interrupts.received():
+            raise
+        interrupts.finished()
+        fail("interrupted; previous artifacts left as they were", interrupted=True)
     interrupts.finished()  # published: a signal from now on has nothing left to stop
 
 

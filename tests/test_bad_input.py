@@ -163,6 +163,41 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
+def test_a_signal_a_native_call_turned_into_its_own_error_in_a_stage_is_one_line(monkeypatch, capsys):
+    """A signal inside a native call during a stage (matplotlib's savefig: pybind11 turned the
+    handler's KeyboardInterrupt into "TypeError: incompatible function arguments"; seen in CI at
+    the 0.7 moment above): one line, exit 2, no traceback; without a signal the error is not hidden."""
+    import pipeline.__main__ as cli
+    from pipeline import interrupts
+
+    def stage(cfg):
+        try:
+            interrupts._handler(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            raise TypeError("affine_transform(): incompatible function arguments") from None
+
+    def leave(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(cli, "run_stages", stage)
+    monkeypatch.setattr(cli.os, "_exit", leave)
+    interrupts.reset()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli._task(None)
+    finally:
+        interrupts.reset()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: interrupted; previous artifacts left as they were\n"
+    monkeypatch.setattr(cli, "run_stages", lambda cfg: (_ for _ in ()).throw(TypeError("no signal: a real bug")))
+    try:
+        with pytest.raises(TypeError, match="a real bug"):
+            cli._task(None)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def test_a_signal_a_native_import_turned_into_its_own_error_is_one_line(monkeypatch, capsys):
     """A signal during onnxruntime's import surfaces as "ImportError: initialization failed" (its
     cause the handler's KeyboardInterrupt; seen in CI at one of the moments above): one line, exit 2."""
