@@ -163,69 +163,46 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
-def test_a_signal_a_native_call_turned_into_its_own_error_in_a_stage_is_one_line(monkeypatch, capsys):
-    """A signal inside a native call during a stage (matplotlib's savefig: pybind11 turned the
-    handler's KeyboardInterrupt into "TypeError: incompatible function arguments"; seen in CI at
-    the 0.7 moment above): one line, exit 2, no traceback; without a signal the error is not hidden."""
+# A signal inside a native call surfaces as that call's own error, its cause the handler's
+# KeyboardInterrupt, both seen in CI at the moments above: during a stage (matplotlib's savefig:
+# pybind11 turned it into "TypeError: incompatible function arguments") and during onnxruntime's
+# import ("ImportError: initialization failed"). One line, exit 2, no traceback; without a signal
+# the error is not hidden.
+@pytest.mark.parametrize("patched, entry, error", [
+    ("run_stages", lambda cli: cli._task(None), TypeError("affine_transform(): incompatible function arguments")),
+    ("_main", lambda cli: cli.main(), ImportError("initialization failed")),
+], ids=["in-a-stage", "in-a-native-import"])
+def test_a_signal_a_native_call_turned_into_its_own_error_is_one_line(monkeypatch, capsys, patched, entry, error):
     import pipeline.__main__ as cli
     from pipeline import interrupts
 
-    def stage(cfg):
-        try:
-            interrupts._handler(signal.SIGTERM, None)
-        except KeyboardInterrupt:
-            raise TypeError("affine_transform(): incompatible function arguments") from None
-
-    def leave(code):
-        raise SystemExit(code)
-
-    monkeypatch.setattr(cli, "run_stages", stage)
-    monkeypatch.setattr(cli.os, "_exit", leave)
-    interrupts.reset()
-    try:
-        with pytest.raises(SystemExit) as stop:
-            cli._task(None)
-    finally:
-        interrupts.reset()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert stop.value.code == 2
-    assert capsys.readouterr().err == "error: interrupted; previous artifacts left as they were\n"
-    monkeypatch.setattr(cli, "run_stages", lambda cfg: (_ for _ in ()).throw(TypeError("no signal: a real bug")))
-    try:
-        with pytest.raises(TypeError, match="a real bug"):
-            cli._task(None)
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def test_a_signal_a_native_import_turned_into_its_own_error_is_one_line(monkeypatch, capsys):
-    """A signal during onnxruntime's import surfaces as "ImportError: initialization failed" (its
-    cause the handler's KeyboardInterrupt; seen in CI at one of the moments above): one line, exit 2."""
-    import pipeline.__main__ as cli
-    from pipeline import interrupts
-
-    def start_up():
+    def signalled(*_):
         try:
             interrupts._handler(signal.SIGTERM, None)
         except KeyboardInterrupt as exc:
-            raise ImportError("initialization failed") from exc
+            raise error from exc
+
+    def unsignalled(*_):
+        raise type(error)("no signal: a real error")
 
     def leave(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(cli, "_main", start_up)
     monkeypatch.setattr(cli.os, "_exit", leave)
     interrupts.reset()
     try:
+        monkeypatch.setattr(cli, patched, signalled)
         with pytest.raises(SystemExit) as stop:
-            cli.main()
+            entry(cli)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err == "error: interrupted; previous artifacts left as they were\n"
+        interrupts.reset()
+        monkeypatch.setattr(cli, patched, unsignalled)
+        with pytest.raises(type(error), match="a real error"):
+            entry(cli)
     finally:
         interrupts.reset()
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and err == "error: interrupted; previous artifacts left as they were\n"
-    monkeypatch.setattr(cli, "_main", lambda: (_ for _ in ()).throw(ImportError("no signal: a real error")))
-    with pytest.raises(ImportError, match="a real error"):  # without a signal the error is not hidden
-        cli.main()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_a_signal_during_the_swap_is_deferred_until_the_swap_is_done(tmp_path):

@@ -537,6 +537,9 @@ def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageConte
     from pipeline.quantization import qat
 
     mcfg = ctx.cfg.model
+    if int(qat_cfg["images"]) > len(calib_set):
+        log.warning(f"[quantize] qat_images={qat_cfg['images']}: the calibration set holds {len(calib_set)} rows; "
+                    f"the finetune trains on those {len(calib_set)}")
     images = calib_images(calib_set, 0, min(int(qat_cfg["images"]), len(calib_set)))
     ranges = torch.from_numpy(images[:cfg.calib_images])
     finetuned, report = qat.finetuned_copy(
