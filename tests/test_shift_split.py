@@ -53,9 +53,11 @@ def test_shift_split_is_cached_and_deterministic(shift, corpus_root, tmp_path):
     first = ctx.upstream("corpus-shift")
     assert first["metrics"]["total"] == len(shift) and ctx.split_hash("shift") == first["outputs"]["formulas.jsonl"]
     assert ctx.split("shift") == shift                           # reused, same content
-    shutil.copytree(corpus_root / "corpus", tmp_path / "corpus")  # another root, a changed bound: built again
-    rebuilt = make_ctx(tmp_path, ["data.max_chars=119"]).split("shift")
-    assert rebuilt == [f for f in shift if len(f.normalized) <= 119]
+    # another root, a changed key (the first package alone, a few seconds to read): built again, and
+    # what it holds is exactly what that package gave the whole split (packages are read in order)
+    shutil.copytree(corpus_root / "corpus", tmp_path / "corpus")
+    rebuilt = make_ctx(tmp_path, ["data.shift_packages=[networkx]"]).split("shift")
+    assert rebuilt and rebuilt == [f for f in shift if f.source.startswith("networkx/")]
 
 
 def test_shift_packages_must_not_be_corpus_packages(corpus_root):
