@@ -59,7 +59,7 @@ def test_model_reads_the_recipe_but_not_a_tight_crop(real_adapter):
 
     formulas = templated_formulas(10, seed=3)
     ours = torch.stack([real_adapter.preprocess(render_formula(f)) for f in formulas])
-    r = real_adapter.generate(ours, max_length=90, batch_size=10)
+    r = real_adapter.generate(ours, max_length=90, batch_size=10, use_cache=True)
     ours_em = np.mean([exact_match(p, f) for p, f in zip(r.texts, formulas)])
 
     import tempfile, os
@@ -69,7 +69,7 @@ def test_model_reads_the_recipe_but_not_a_tight_crop(real_adapter):
             path = os.path.join(d, f"{i}.png")
             render_formula(f).save(path)
             crops.append(load_and_preprocess_image(path, 128, 512))
-    r2 = real_adapter.generate(torch.stack(crops), max_length=90, batch_size=10)
+    r2 = real_adapter.generate(torch.stack(crops), max_length=90, batch_size=10, use_cache=True)
     tight_em = np.mean([exact_match(p, f) for p, f in zip(r2.texts, formulas)])
     assert ours_em >= 0.6, (ours_em, r.texts)
     assert tight_em <= ours_em - 0.25, (tight_em, r2.texts)
