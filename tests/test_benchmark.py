@@ -314,3 +314,30 @@ def test_a_reading_split_over_two_session_sets_equals_one(root):
     one = read(OnnxPackage(root / "export-ort_cpu", threads=1), None, images, FORMULAS[:10], 8, 4)
     two = read([OnnxPackage(root / "export-ort_cpu", threads=1) for _ in range(2)], None, images, FORMULAS[:10], 8, 4)
     assert two.token_ids == one.token_ids and two.exact == one.exact and len(two.token_ids) == 10
+
+
+def test_a_reading_over_two_session_sets_stops_after_the_batch_in_hand_on_a_signal(root, monkeypatch):
+    """Ctrl-C / SIGTERM reach the main thread only: the reading threads check after each batch, so
+    an interrupted search stops within a batch instead of finishing its half of the split."""
+    import signal
+
+    from pipeline import interrupts
+    from pipeline.adapters.base import load_adapter
+    from pipeline.data.render import render_formula
+    from pipeline.errors import Interrupted
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.quantization.measure import read
+
+    adapter = load_adapter("latex_ocr_junia", str(root / "tiny-model"))
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS[:16]]).astype(np.float32)
+    encoded = []
+    real_encode = OnnxPackage.encode
+    monkeypatch.setattr(OnnxPackage, "encode", lambda self, batch: encoded.append(len(batch)) or real_encode(self, batch))
+    interrupts.reset()
+    interrupts._received.append(signal.SIGTERM)  # what the handler records before it raises in the main thread
+    try:
+        with pytest.raises(Interrupted, match="while reading a quantized variant"):
+            read([OnnxPackage(root / "export-ort_cpu", threads=1) for _ in range(2)], None, images, FORMULAS[:16], 8, 2)
+    finally:
+        interrupts.reset()
+    assert encoded == [2, 2]  # one batch in hand per thread, not the four each had to read

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
+from pipeline import interrupts
 from pipeline.adapters.base import DecodeResult
 from pipeline.export.runtime import OnnxPackage, batch_runs
 from pipeline.metrics import corpus_cer, normalize
@@ -58,9 +59,13 @@ def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, ima
     if len(cuts) == 1:
         parts = [packages[0].generate(images, max_length=max_length, batch_size=batch_size)]
     else:
+        def stop(_: int) -> None:  # a worker thread never sees Ctrl-C / SIGTERM: it checks after each batch
+            interrupts.check("while reading a quantized variant")
+
         with ThreadPoolExecutor(max_workers=len(cuts)) as pool:
             parts = list(pool.map(lambda job: job[0].generate(images[job[1][0]:job[1][1]], max_length=max_length,
-                                                               batch_size=batch_size), zip(packages, cuts)))
+                                                               batch_size=batch_size, progress=stop),
+                                  zip(packages, cuts)))
     result = DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
                           steps=[n for p in parts for n in p.steps])
     exact = [normalize(p) == normalize(t) for p, t in zip(result.texts, truths)]
