@@ -117,10 +117,12 @@ def id_batch(adapter, ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def own_predictions(adapter, images: torch.Tensor, max_length: int, batch_size: int = 8,
-                    use_cache: bool = False) -> list[list[int]]:
+                    use_cache: bool = False, progress=None) -> list[list[int]]:
     """The model's own greedy outputs as targets (BOS ... EOS): a head matters when switching it
-    off changes what the model reads, whether or not the reading was right."""
-    result = adapter.generate(images, max_length=max_length, batch_size=batch_size, use_cache=use_cache)
+    off changes what the model reads, whether or not the reading was right. ``progress(n)`` is
+    called after each batch of ``n`` images."""
+    result = adapter.generate(images, max_length=max_length, batch_size=batch_size, use_cache=use_cache,
+                              progress=progress)
     return [[adapter.bos_id, *ids] for ids in result.token_ids]
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline.pruning import recover
+from pipeline.pruning.scores import own_predictions
 
 
 def encoder_linears(adapter) -> set[str]:
@@ -83,9 +84,7 @@ def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: in
     teacher.model.eval()
     if targets is None:  # BOS ... EOS, what the student is teacher-forced on
         with tqdm(total=len(images), desc="QAT: float readings", disable=not progress) as bar:
-            result = teacher.generate(images, max_length=max_length, batch_size=read_batch, use_cache=True,
-                                      progress=bar.update)
-        targets = [[teacher.bos_id, *ids] for ids in result.token_ids]
+            targets = own_predictions(teacher, images, max_length, read_batch, use_cache=True, progress=bar.update)
     read_s = time.perf_counter() - started
     student = copy.copy(teacher)
     student.model = copy.deepcopy(teacher.model)
