@@ -5,6 +5,7 @@ Small in-test formula lists keep this fast; the real corpus is only used by the 
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -224,7 +225,7 @@ def _stage_overrides(tmp_path: Path, train: Path, extra: list[str] = ()) -> list
             "tokenizer.replay_requests=3000", "tokenizer.timing_repeats=1", *extra]
 
 
-def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
+def test_stage_writes_tokenizer_report_and_reuses(tmp_path, caplog):
     from pipeline.stages import tokenizer as stage
 
     art = tmp_path / "art"
@@ -268,11 +269,18 @@ def test_stage_writes_tokenizer_report_and_reuses(tmp_path):
     assert (folder / "tokenizer.json").read_bytes() == before  # same config + seed: same bytes
     assert again["key"] == manifest["key"]
     cfg.decode_step_ms = 24.0
+    caplog.set_level(logging.INFO, logger="pipeline.stages.tokenizer")
+    caplog.clear()
     priced = stage.run(cfg, make_ctx(art, overrides))  # a config change: trained again, priced
+    fresh_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[tokenizer] ")]
     assert priced["metrics"]["decode_ms_saved_vs_char"] == pytest.approx(
         24.0 * priced["metrics"]["decode_steps_saved_vs_char"])
     assert "decoder ms saved / formula at 24.0 ms/step" in (folder / "report.md").read_text()
+    caplog.clear()
     assert stage.run(cfg, make_ctx(art, overrides)) == priced  # unchanged: reused, not retrained
+    # the reused summary reads like the fresh one (its manifest comes back with sorted keys)
+    reused_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[tokenizer] ")]
+    assert reused_lines[-len(fresh_lines):] == fresh_lines and fresh_lines[0].startswith("[tokenizer] char-level")
     # stage evaluate's step time is an input: a new measurement is not met with the old artifact
     from pipeline.artifacts import stage_output
     cfg.decode_step_ms = None

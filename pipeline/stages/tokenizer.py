@@ -34,6 +34,8 @@ CONFIG_KEY = "tokenizer"
 BUILT = True
 TOKENIZER_FILE = "tokenizer.json"
 BASELINE_FILE = "baseline_bytelevel_bpe.json"
+# the three tokenizers the stage compares, in the order its table and summary line show them
+CHAR_NAME, PLAIN_NAME, OURS_NAME = "char-level (model today)", "byte-level BPE (pix2tex)", "ours: atom BPE"
 
 
 @dataclass
@@ -179,9 +181,8 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         write_transformers_config(out.path)
         loading = check_loading(out.path, eval_raw[:50])
 
-        cands = [compare.char_candidate("char-level (model today)", char_tok),
-                 compare.hf_candidate("byte-level BPE (pix2tex)", plain),
-                 compare.hf_candidate("ours: atom BPE", ours)]
+        cands = [compare.char_candidate(CHAR_NAME, char_tok), compare.hf_candidate(PLAIN_NAME, plain),
+                 compare.hf_candidate(OURS_NAME, ours)]
         seg = {c.name: compare.segmentation_metrics(c, eval_norm) for c in cands}
         # ours also normalizes: encode the raw spelling, expect its normalized form back
         seg[cands[2].name]["round_trip_exact"] = compare.segmentation_metrics(
@@ -297,9 +298,9 @@ def _examples(ours, plain, texts: list[str], k: int = 6) -> list[tuple[str, list
 
 
 def _print_summary(m: dict) -> None:
-    rows = m["tokenizers"]
-    parts = [f"{name}: {r['tokens_mean']:.1f} tok/formula, split {r['commands_split_share']:.1%}, "
-             f"round trip {r['round_trip_exact']:.1%}" for name, r in rows.items()]
+    rows = m["tokenizers"]  # a reused manifest comes back with its keys sorted: print in the table's order
+    parts = [f"{name}: {rows[name]['tokens_mean']:.1f} tok/formula, split {rows[name]['commands_split_share']:.1%}, "
+             f"round trip {rows[name]['round_trip_exact']:.1%}" for name in (CHAR_NAME, PLAIN_NAME, OURS_NAME)]
     c = m["cache"]["normalized"]
     saved = m["decode_ms_saved_vs_char"]
     ms = "" if saved is None else f" = {saved:.0f} ms at {m['decode_step_ms']:.1f} ms/step"
@@ -307,7 +308,7 @@ def _print_summary(m: dict) -> None:
     sh = m.get("shift")
     if sh:
         log.info(f"[tokenizer] shift split ({sh['formulas']} formulas): {sh['reduction_vs_char']:.2f}x fewer tokens "
-                 f"than char-level, {sh['tokenizers'][list(rows)[-1]]['commands_split']} commands split")
+                 f"than char-level, {sh['tokenizers'][OURS_NAME]['commands_split']} commands split")
     cv = m.get("curve")
     if cv:
         log.info(f"[tokenizer] held-out train curve chooses vocab {cv['chosen_size']} "
