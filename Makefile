@@ -4,6 +4,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 ARGS    ?=
+# the suite runs in this many pytest-xdist workers, a test file per worker (its module fixtures built once)
+TEST_WORKERS ?= 2
 # the CPU build of torch: the +cpu local version exists only in local wheel folders (these
 # machines: /opt/wheels, pip's find-links) and on PyTorch's CPU index, so pip cannot fall back to
 # the multi-GB CUDA build PyPI serves for Linux. Elsewhere:
@@ -30,7 +32,7 @@ run: $(STAMP)
 	$(BIN)/python -m pipeline stage=all $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) .venv-macart
