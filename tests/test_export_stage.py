@@ -157,3 +157,36 @@ def test_tensorrt_commands_are_written_beside_the_onnx(ort_pkg, tmp_path):
     assert f"past_key_0:4x8x{MAX_LENGTH - 1}x32" in cmds[2]
     if not tensorrt_available():
         assert info == {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
+
+
+def test_a_quantization_aware_finetuned_package_is_held_to_reading_as_well_not_to_identical_tokens(tmp_path):
+    """Its encoder's weights are no longer torch's: fewer identical readings pass when it reads no
+    worse (the int8-original package of a make run: 9 of 16 identical, 13 right against torch's 12)."""
+    import json
+
+    from pipeline.export.parity import FINETUNED_MAX_EXACT_LOSS, TokenParity, check_tolerances
+    from pipeline.stages.export import _finetuned
+
+    tensors = {"encoder.memory": {"cosine": 0.997, "snr_db": 22.6}}
+    tol = {"min_cosine": 0.98, "min_snr_db": 12.0, "min_identical": 0.6}
+
+    def tokens(identical: float, torch_em: float, onnx_em: float) -> TokenParity:
+        return TokenParity(n=16, identical=identical, token_agreement=0.6, exact_match_torch=torch_em,
+                           exact_match_onnx=onnx_em, rows=[])
+
+    reads_better = tokens(0.5625, 0.75, 0.8125)
+    assert check_tolerances(tensors, reads_better, **tol)[0].startswith("greedy tokens: identical on 0.562")
+    assert check_tolerances(tensors, reads_better, **tol, finetuned=True) == []
+    assert check_tolerances(tensors, tokens(0.5625, 0.75, 0.75 - FINETUNED_MAX_EXACT_LOSS), **tol, finetuned=True) == []
+    worse = check_tolerances(tensors, tokens(0.5625, 0.75, 0.625), **tol, finetuned=True)
+    assert len(worse) == 1 and "reads 0.125 fewer right than torch" in worse[0]
+    bad_tensor = {"encoder.memory": {"cosine": 0.9, "snr_db": 22.6}}  # the tensor checks stay
+    assert check_tolerances(bad_tensor, reads_better, **tol, finetuned=True) == ["encoder.memory: cosine 0.900000 < 0.98"]
+    # which packages: the quantize artifact holding the encoder says how many QAT steps it ran
+    folder = tmp_path / "quantize"
+    folder.mkdir()
+    encoder = folder / "encoder.ort_cpu.qdq.onnx"
+    assert _finetuned(None) is False and _finetuned(encoder) is False  # no manifest there: a QDQ file from elsewhere
+    for qat, expected in (({"steps": 200, "planned_steps": 200}, True), ({}, False), ({"steps": 0}, False)):
+        (folder / "manifest.json").write_text(json.dumps({"metrics": {"qat": qat}}))
+        assert _finetuned(encoder) is expected, qat

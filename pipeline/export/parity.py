@@ -105,9 +105,17 @@ def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], 
                        exact_match_onnx=float(np.mean([r["exact_onnx"] for r in rows])) if n else 0.0, rows=rows)
 
 
+# a package whose encoder was finetuned quantization-aware (stage quantize, ``quantize.qat_steps``) no
+# longer holds the torch model's weights, so its greedy readings may differ from torch's on more
+# formulas than ``min_identical`` allows without reading any worse: it passes the token check when it
+# reads at most this share of the parity formulas fewer right than torch does (its tensor checks stay)
+FINETUNED_MAX_EXACT_LOSS = 0.05
+
+
 def check_tolerances(tensors: dict[str, dict], tokens: TokenParity | None, min_cosine: float, min_snr_db: float,
-                     min_identical: float) -> list[str]:
-    """Every output beyond tolerance, named."""
+                     min_identical: float, finetuned: bool = False) -> list[str]:
+    """Every output beyond tolerance, named. ``finetuned``: the package's encoder was finetuned
+    quantization-aware (see :data:`FINETUNED_MAX_EXACT_LOSS`)."""
     bad = []
     for name, s in tensors.items():
         if not s["cosine"] >= min_cosine:
@@ -115,5 +123,12 @@ def check_tolerances(tensors: dict[str, dict], tokens: TokenParity | None, min_c
         if not s["snr_db"] >= min_snr_db:
             bad.append(f"{name}: SNR {s['snr_db']:.1f} dB < {min_snr_db} dB")
     if tokens is not None and not tokens.identical >= min_identical:
-        bad.append(f"greedy tokens: identical on {tokens.identical:.3f} of {tokens.n} formulas < {min_identical}")
+        loss = tokens.exact_match_torch - tokens.exact_match_onnx
+        if not finetuned:
+            bad.append(f"greedy tokens: identical on {tokens.identical:.3f} of {tokens.n} formulas < {min_identical}")
+        elif not loss <= FINETUNED_MAX_EXACT_LOSS + 1e-9:
+            bad.append(f"greedy tokens: identical on {tokens.identical:.3f} of {tokens.n} formulas < {min_identical}, "
+                       f"and the quantization-aware finetuned package reads {loss:.3f} fewer right than torch "
+                       f"({tokens.exact_match_onnx:.3f} against {tokens.exact_match_torch:.3f}) > "
+                       f"{FINETUNED_MAX_EXACT_LOSS}")
     return bad

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.reports import markdown_table, plt, savefig
+from pipeline.export.parity import FINETUNED_MAX_EXACT_LOSS
 
 
 def histogram_plot(path: Path, histograms: dict[str, dict[str, dict[str, int]]]) -> None:
@@ -57,7 +58,9 @@ def write_report(folder: Path, meta: dict, histograms: dict, metrics: dict, rows
         "Parity runs on ONNX Runtime CPU, the reference runtime for every target.\n",
         markdown_table(["output", "images", "max abs", "cosine", "SNR dB"], tensor_rows),
         f"\nTolerances for the least precise graph ({metrics['tolerance_level']}): cosine >= {tol['min_cosine']}, "
-        f"SNR >= {tol['min_snr_db']} dB, identical greedy tokens >= {tol['min_identical']}.\n",
+        f"SNR >= {tol['min_snr_db']} dB, identical greedy tokens >= {tol['min_identical']}"
+        + (f" (or, its encoder finetuned quantization-aware, at most {FINETUNED_MAX_EXACT_LOSS} fewer formulas read "
+           "right than torch)" if metrics.get("qat_finetuned") else "") + ".\n",
         "\n## Greedy decoding vs torch\n",
         f"On {scope}, same cap for both.\n",
         markdown_table(["metric", "value"], [

@@ -125,6 +125,16 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
     return model, folder / QUANTIZED_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
 
 
+def _finetuned(qdq_encoder: Optional[Path]) -> bool:
+    """Whether the quantize artifact holding ``qdq_encoder`` finetuned its encoder quantization-aware
+    (its manifest's metrics say how many steps ran); a QDQ encoder from elsewhere: not known, no."""
+    manifest = qdq_encoder.parent / "manifest.json" if qdq_encoder is not None else None
+    if manifest is None or not manifest.is_file():
+        return False
+    qat = json.loads(manifest.read_text()).get("metrics", {}).get("qat") or {}
+    return int(qat.get("steps", 0) or 0) > 0
+
+
 FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
 FLOAT_CHAIN = "export-ort_cpu-float-chain"        # the chain's model (pruned ...) before quantization
 INT8_ORIGINAL = "export-ort_cpu-int8-original"    # the original model quantized with the chain's plan
@@ -254,7 +264,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
                               progress=ctx.progress, reference=_reference(references, key))
         references[key] = tokens.reference
-        failures = check_tolerances(tensors, tokens, **tol)
+        finetuned = _finetuned(qdq_path)
+        failures = check_tolerances(tensors, tokens, **tol, finetuned=finetuned)
         # engines only for a package that passed parity (a build takes minutes and ships what failed)
         engines = None
         if target.name == "tensorrt":
@@ -262,7 +273,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
                        else _tensorrt(cfg, out.path, meta, built))
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
         metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
-                   "tolerance_level": level, "tensors": tensors,
+                   "tolerance_level": level, "tensors": tensors, "qat_finetuned": finetuned,
                    "tokens": tokens.as_dict(), "eval_source": eval_source,
                    "parity_limit": cfg.parity_limit, "eval_available": len(evals), "max_length": max_length,
                    "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
