@@ -5,8 +5,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.reports import markdown_table, plt, savefig
 from pipeline.export.parity import FINETUNED_MAX_EXACT_LOSS
+from pipeline.reports import markdown_table, plt, savefig
 
 
 def histogram_plot(path: Path, histograms: dict[str, dict[str, dict[str, int]]]) -> None:

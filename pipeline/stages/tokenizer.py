@@ -185,7 +185,7 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
                  compare.hf_candidate(OURS_NAME, ours)]
         seg = {c.name: compare.segmentation_metrics(c, eval_norm) for c in cands}
         # ours also normalizes: encode the raw spelling, expect its normalized form back
-        seg[cands[2].name]["round_trip_exact"] = compare.segmentation_metrics(
+        seg[OURS_NAME]["round_trip_exact"] = compare.segmentation_metrics(
             cands[2], eval_norm, expected=eval_norm, raw=eval_raw)["round_trip_exact"]
         times = {c.name: compare.encode_times(c, eval_raw if c is cands[2] else eval_norm, cfg.timing_repeats)
                  for c in cands}
@@ -195,7 +195,6 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         sweep = {key: [compare.replay(ours, workload, c, key=key, time_hits=False)["hit_rate"] for c in capacities]
                  for key in ("normalized", "raw")}
 
-        char_name, plain_name, ours_name = (c.name for c in cands)
         held_fit, held_out = curve.holdout(train_norm, cfg.curve_holdout, ctx.seed)
         eval_sets = {"held-out train": held_out, "eval": eval_norm}
         if shift is not None:
@@ -215,14 +214,14 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
             "whole_commands": len(trained.whole_commands),
             "learned_merges": trained.learned_merges,
             "tokenizers": {name: {**seg[name], **times[name], "decode_steps_mean": steps[name]} for name in seg},
-            "reduction_vs_char": seg[char_name]["tokens_mean"] / seg[ours_name]["tokens_mean"],
-            "reduction_vs_plain_bpe": seg[plain_name]["tokens_mean"] / seg[ours_name]["tokens_mean"],
+            "reduction_vs_char": seg[CHAR_NAME]["tokens_mean"] / seg[OURS_NAME]["tokens_mean"],
+            "reduction_vs_plain_bpe": seg[PLAIN_NAME]["tokens_mean"] / seg[OURS_NAME]["tokens_mean"],
             "decode_step_ms": step_ms,
             "decode_step_source": step_source,
-            "decode_steps_saved_vs_char": steps[char_name] - steps[ours_name],
-            "decode_steps_saved_vs_plain_bpe": steps[plain_name] - steps[ours_name],
-            "decode_ms_saved_vs_char": None if step_ms is None else (steps[char_name] - steps[ours_name]) * step_ms,
-            "decode_ms_saved_vs_plain_bpe": None if step_ms is None else (steps[plain_name] - steps[ours_name]) * step_ms,
+            "decode_steps_saved_vs_char": steps[CHAR_NAME] - steps[OURS_NAME],
+            "decode_steps_saved_vs_plain_bpe": steps[PLAIN_NAME] - steps[OURS_NAME],
+            "decode_ms_saved_vs_char": None if step_ms is None else (steps[CHAR_NAME] - steps[OURS_NAME]) * step_ms,
+            "decode_ms_saved_vs_plain_bpe": None if step_ms is None else (steps[PLAIN_NAME] - steps[OURS_NAME]) * step_ms,
             "cache": cache,
             "cache_sweep": {"capacities": capacities, **sweep},
             "replay": {"requests": cfg.replay_requests, "zipf_exponent": cfg.zipf_exponent, "seed": ctx.seed,
@@ -233,25 +232,25 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         if shift is not None:
             shift_raw, shift_norm, shift_dropped = shift
             shift_seg = {c.name: compare.segmentation_metrics(c, shift_norm) for c in cands}
-            shift_seg[ours_name]["round_trip_exact"] = compare.segmentation_metrics(
+            shift_seg[OURS_NAME]["round_trip_exact"] = compare.segmentation_metrics(
                 cands[2], shift_norm, expected=shift_norm, raw=shift_raw)["round_trip_exact"]
             metrics["shift"] = {
                 **{k: v for k, v in sources["shift"].items() if k != "formulas"},
                 "formulas": len(shift_norm), "empty_after_normalization": shift_dropped,
                 "tokenizers": shift_seg,
-                "reduction_vs_char": shift_seg[char_name]["tokens_mean"] / shift_seg[ours_name]["tokens_mean"],
-                "reduction_vs_plain_bpe": shift_seg[plain_name]["tokens_mean"] / shift_seg[ours_name]["tokens_mean"],
+                "reduction_vs_char": shift_seg[CHAR_NAME]["tokens_mean"] / shift_seg[OURS_NAME]["tokens_mean"],
+                "reduction_vs_plain_bpe": shift_seg[PLAIN_NAME]["tokens_mean"] / shift_seg[OURS_NAME]["tokens_mean"],
             }
         metrics["targets"] = {
             "tokens >= 2.5x fewer than char-level": metrics["reduction_vs_char"] >= 2.5,
             **({} if shift is None else {
                 "shift split: tokens >= 2.5x fewer than char-level": metrics["shift"]["reduction_vs_char"] >= 2.5,
-                "shift split: 0 LaTeX commands split": metrics["shift"]["tokenizers"][ours_name]["commands_split"] == 0,
+                "shift split: 0 LaTeX commands split": metrics["shift"]["tokenizers"][OURS_NAME]["commands_split"] == 0,
             }),
             "vocab_size is the held-out train choice": size_curve["chosen_size"] == cfg.vocab_size,
-            "fewer tokens than plain BPE": seg[ours_name]["tokens_mean"] < seg[plain_name]["tokens_mean"],
-            "0 LaTeX commands split": seg[ours_name]["commands_split"] == 0,
-            "round trip 100 %": seg[ours_name]["round_trip_exact"] == 1.0,
+            "fewer tokens than plain BPE": seg[OURS_NAME]["tokens_mean"] < seg[PLAIN_NAME]["tokens_mean"],
+            "0 LaTeX commands split": seg[OURS_NAME]["commands_split"] == 0,
+            "round trip 100 %": seg[OURS_NAME]["round_trip_exact"] == 1.0,
             "cached encode <= 0.05 ms": cache["normalized"]["ms_per_request"] <= 0.05,
             "cache hit rate >= 95 %": cache["normalized"]["hit_rate"] >= 0.95,
         }
