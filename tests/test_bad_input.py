@@ -140,6 +140,41 @@ def test_sigterm_at_several_moments_leaves_the_previous_package_byte_identical(w
     assert interrupted >= 4  # most moments fell inside the run (the two phase moments always do)
 
 
+def test_a_swallowed_interrupt_ends_a_reading_after_its_batch(work):
+    """A signal whose KeyboardInterrupt a callback ate (seen in CI: inside a WeakKeyDictionary callback
+    during an evaluate reading, which then read on for minutes) stops torch's and ONNX Runtime's greedy
+    reading, and the finetune, after the batch they are in."""
+    import numpy as np
+    import torch
+
+    from pipeline import interrupts
+    from pipeline.adapters import load_adapter
+    from pipeline.errors import Interrupted
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.pruning import recover
+
+    adapter = load_adapter("latex_ocr_junia", str(work / "tiny"))
+    images = torch.rand(4, *adapter.input_shape)
+    package = OnnxPackage(work / "art" / "export-ort_cpu", threads=1)
+    readers = {"torch": lambda cb: adapter.generate(images, max_length=6, batch_size=2, progress=cb),
+               "onnx": lambda cb: package.generate(images.numpy().astype(np.float32), max_length=6, batch_size=2,
+                                                   progress=cb)}
+    interrupts.reset()
+    try:
+        for name, reading in readers.items():
+            seen: list[int] = []
+            interrupts._received.append(signal.SIGTERM)  # the handler recorded it; its raise was eaten
+            with pytest.raises(Interrupted, match="SIGTERM"):
+                reading(seen.append)
+            assert seen == [2], name                     # one batch, not both
+            interrupts.reset()
+        interrupts._received.append(signal.SIGTERM)
+        with pytest.raises(Interrupted, match="SIGTERM"):
+            recover.finetune(adapter, adapter, images, ["x"] * 4, steps=3, minutes=1.0, batch_size=2)
+    finally:
+        interrupts.reset()
+
+
 def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     """Native code that calls back into Python can swallow the KeyboardInterrupt; the flag outlives it."""
     from pipeline import interrupts

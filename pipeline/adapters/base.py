@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from pipeline import interrupts
 from pipeline.decoding import LayoutGuard
 from pipeline.errors import PipelineError
 
@@ -237,6 +238,7 @@ class ModelAdapter(abc.ABC):
                 capped.append(not ids or ids[-1] != self.eos_id)
             if progress is not None:
                 progress(n)
+            interrupts.check()  # a signal a native callback swallowed ends the reading here
         texts = [self.decode_text(ids) for ids in all_ids]
         return DecodeResult(all_ids, texts, enc_s, dec_s, steps, capped)
 

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline import schema
+from pipeline import interrupts, schema
 from pipeline.adapters.base import DecodeResult
 from pipeline.decoding import LayoutGuard
 from pipeline.errors import PipelineError
@@ -161,6 +161,7 @@ class OnnxPackage:
             enc_s += t1 - t0
             if progress is not None:
                 progress(batch.shape[0])
+            interrupts.check()  # a signal a native callback swallowed ends the reading here
         steps = [len(ids) for ids in all_ids]
         capped = [not ids or ids[-1] != self.eos for ids in all_ids]
         return DecodeResult(all_ids, [self.tokenizer.decode(i) for i in all_ids], enc_s, dec_s, steps, capped)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from pipeline import interrupts
 from pipeline.pruning.heads import projections
 from pipeline.pruning.scores import _batches, id_batch, label_batch
 
@@ -323,6 +324,7 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     bar = tqdm(total=steps, initial=done, desc="recovery finetune", disable=not progress)
     with _trainable(params):
         while done < steps and time.perf_counter() - t0 < 60 * minutes:
+            interrupts.check()  # a signal a native callback swallowed ends the finetune at a step
             start = (done * batch_size) % len(order)
             idx = (order + order)[start:start + batch_size]
             x = images[idx]
