@@ -5,21 +5,33 @@ Nothing here computes a histogram or a range: ``onnxruntime.quantization.calibra
 ``PercentileCalibrater``). This module only names the methods the pipeline offers, reads the
 ``calib_set`` written by stage calibrate as a :class:`CalibrationDataReader`, and runs one
 calibrator over it. ``quantize_static`` accepts the same reader directly.
+
+ORT's histogram calibrators (``entropy``, ``percentile``) keep every watched tensor of every image
+in memory before they histogram it; a plain ViT graph's attention maps (heads x 1024 x 1024 floats
+per image and layer) made that 11.5 GB for the pruned encoder and 18 GB for the original on 32
+images. :func:`compute_ranges` therefore runs them in passes over the whole set, each pass watching
+a group of tensors that fits :data:`HISTOGRAM_PASS_BYTES`: every tensor still sees every image in
+one histogram, so the ranges are the one-pass ranges (tested), for a few more inference passes.
 """
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import onnx
 from onnxruntime.quantization.calibrate import (CalibrationDataReader, CalibrationMethod, TensorsData,
                                                 create_calibrator)
 
 from pipeline.errors import PipelineError
 
 TENSOR_COLUMN = "pixel_values"  # the column of the calib_set holding the model's input tensors
+HISTOGRAM_METHODS = (CalibrationMethod.Entropy, CalibrationMethod.Percentile)
+# what one pass of a histogram calibrator may hold: its tensors x the reader's images (float32)
+HISTOGRAM_PASS_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,10 @@ class CalibSetReader(CalibrationDataReader):
     def __len__(self) -> int:
         return -(-(self.end - self.start) // self.batch_size)
 
+    @property
+    def images(self) -> int:
+        return self.end - self.start
+
     def set_range(self, start_index: int, end_index: int) -> None:
         self.start, self.end = max(0, start_index), min(end_index, len(self.data))
         self.position = self.start
@@ -116,8 +132,6 @@ class CalibSetReader(CalibrationDataReader):
 
 
 def model_input_name(onnx_path: str | Path) -> str:
-    import onnx
-
     graph = onnx.load(str(onnx_path), load_external_data=False).graph
     initializers = {i.name for i in graph.initializer}
     names = [i.name for i in graph.input if i.name not in initializers]
@@ -128,22 +142,77 @@ def model_input_name(onnx_path: str | Path) -> str:
 
 def compute_ranges(onnx_path: str | Path, reader: CalibrationDataReader, method_name: str = "minmax",
                    op_types: Sequence[str] | None = None, providers: Sequence[str] | None = None,
-                   extra_options: Mapping[str, Any] | None = None) -> TensorsData:
-    """Run ORT's calibrator ``method_name`` over ``reader``; returns ORT's ``TensorsData``."""
+                   extra_options: Mapping[str, Any] | None = None,
+                   pass_bytes: int = HISTOGRAM_PASS_BYTES) -> TensorsData:
+    """Run ORT's calibrator ``method_name`` over ``reader``; returns ORT's ``TensorsData``.
+
+    A histogram method on a reader that can rewind (``CalibSetReader``) runs in passes of at most
+    ``pass_bytes`` of watched tensors over all of the reader's images (module docstring)."""
     chosen = method(method_name)
     options = {**chosen.extra_options, **(extra_options or {})}
     with tempfile.TemporaryDirectory(prefix="calibrate-") as tmp:
-        calibrator = create_calibrator(Path(onnx_path), list(op_types) if op_types else None,
-                                       augmented_model_path=str(Path(tmp) / "augmented.onnx"),
-                                       calibrate_method=chosen.ort_method,
-                                       providers=list(providers) if providers else ["CPUExecutionProvider"],
-                                       extra_options=options)
-        try:
-            calibrator.collect_data(reader)
-            return calibrator.compute_data()
-        finally:
-            calibrator.clear_collected_data()
-            del calibrator  # closes the session before the augmented model's folder is removed
+        def calibrator_for(k: int):
+            return create_calibrator(Path(onnx_path), list(op_types) if op_types else None,
+                                     augmented_model_path=str(Path(tmp) / f"augmented{k}.onnx"),
+                                     calibrate_method=chosen.ort_method,
+                                     providers=list(providers) if providers else ["CPUExecutionProvider"],
+                                     extra_options=options)
+
+        calibrator = calibrator_for(0)
+        passes = [None]
+        if chosen.ort_method in HISTOGRAM_METHODS and hasattr(reader, "rewind") and hasattr(reader, "images"):
+            passes = _histogram_passes(calibrator.get_augment_model(), calibrator.tensors_to_calibrate,
+                                       max(1, pass_bytes // max(1, reader.images)))
+        if len(passes) == 1:
+            return _collect(calibrator, reader)
+        del calibrator
+        data: dict[str, Any] = {}
+        for k, names in enumerate(passes):
+            calibrator = calibrator_for(k)
+            _watch_only(calibrator, names)
+            reader.rewind()
+            found = _collect(calibrator, reader)
+            data.update({name: found[name] for name in names})
+            del calibrator
+        return TensorsData(chosen.ort_method, data)
+
+
+def _collect(calibrator, reader: CalibrationDataReader) -> TensorsData:
+    try:
+        calibrator.collect_data(reader)
+        return calibrator.compute_data()
+    finally:
+        calibrator.clear_collected_data()
+        calibrator.infer_session = None  # closes the session before the augmented model's folder goes
+
+
+def _histogram_passes(model, tensors: Iterable[str], budget: int) -> list[list[str]]:
+    """The watched tensors in groups of at most ``budget`` bytes per image (a bigger tensor alone),
+    in name order; a tensor whose size the shapes do not say gets a pass of its own."""
+    infos = {v.name: v for v in (*model.graph.value_info, *model.graph.output, *model.graph.input)}
+    passes: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(tensors):
+        dims = infos[name].type.tensor_type.shape.dim if name in infos else None
+        size = 4 * int(np.prod([d.dim_value if d.dim_value > 0 else 1 for d in dims])) \
+            if dims is not None and all(d.dim_value > 0 or d.dim_param for d in dims) else budget
+        if passes[-1] and used + size > budget:
+            passes.append([])
+            used = 0
+        passes[-1].append(name)
+        used += size
+    return passes
+
+
+def _watch_only(calibrator, names: list[str]) -> None:
+    """Make the augmented graph output only ``names`` (and the model's own outputs)."""
+    model = calibrator.get_augment_model()
+    keep = set(names) | set(calibrator.model_original_outputs)
+    outputs = [o for o in model.graph.output if o.name in keep]
+    del model.graph.output[:]
+    model.graph.output.extend(outputs)
+    onnx.save(model, calibrator.augmented_model_path)
+    calibrator.create_inference_session()
 
 
 def ranges_as_dict(ranges: TensorsData) -> dict[str, list[float]]:

@@ -97,3 +97,33 @@ def test_unknown_method_and_missing_set_are_clear_errors(tmp_path, tiny_onnx):
         calibrators.method("kl")
     with pytest.raises(PipelineError, match="run stage calibrate first"):
         calibrators.CalibSetReader(tmp_path / "nothing", "pixel_values")
+
+
+def test_histogram_methods_in_passes_give_the_one_pass_ranges(calib_set_dir, tiny_onnx, monkeypatch):
+    """entropy/percentile watch a group of tensors per pass over the whole set (memory), and every
+    tensor's range is the one-pass range; min-max keeps its one pass (ReduceMin/Max outputs are tiny)."""
+    folder, _ = calib_set_dir
+    seen: list[list[str]] = []
+    collect = calibrators._collect
+
+    def spy(calibrator, reader):
+        seen.append(sorted(o.name for o in calibrator.infer_session.get_outputs()))
+        return collect(calibrator, reader)
+
+    monkeypatch.setattr(calibrators, "_collect", spy)
+    per_image = 4 * int(np.prod(SHAPE))  # each tensor of the tiny graph, float32, one image
+    for name in ("entropy", "percentile", "minmax"):
+        seen.clear()
+        one = calibrators.compute_ranges(tiny_onnx, calibrators.CalibSetReader(folder, "pixel_values", batch_size=2), name)
+        assert len(seen) == 1
+        seen.clear()
+        split = calibrators.compute_ranges(tiny_onnx, calibrators.CalibSetReader(folder, "pixel_values", batch_size=2),
+                                           name, pass_bytes=6 * per_image)  # one tensor of the 6 images a pass
+        if name == "minmax":
+            assert len(seen) == 1
+            continue
+        # one watched tensor per pass, beside the graph's own output
+        assert seen == [sorted({"out", t}) for t in ("out", "pixel_values", "scaled", "shifted")]
+        assert sorted(split) == sorted(one) == ["out", "pixel_values", "scaled", "shifted"]
+        for tensor in one:
+            np.testing.assert_array_equal(np.asarray(split[tensor].range_value), np.asarray(one[tensor].range_value))
