@@ -203,12 +203,19 @@ def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, sea
     assert ln and any(not np.allclose(plain[n], smooth[n]) for n in ln)
 
 
-def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(root, searched, caplog):
+def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(root, searched, caplog, monkeypatch):
     """quantize.qat_steps: the graphs are made from encoder weights finetuned with INT8 fake
     quantizers (its projections' weights differ from the default run's), every loss is still against
     the float model handed over (the same float reading as the default run), the plan records the
     finetune, and applying that plan finetunes again to the same graphs (deterministic). More
-    images asked than the calibration set holds: it trains on all of them and says so."""
+    images asked than the calibration set holds: it trains on all of them and says so. The
+    finetune's targets are the float ONNX Runtime package's readings, not a torch reading."""
+    from pipeline.quantization import qat
+
+    def no_torch_reading(*_, **__):
+        raise AssertionError("the QAT targets were read with torch")
+
+    monkeypatch.setattr(qat, "own_predictions", no_torch_reading)
     quick = ("quantize.check=false", "quantize.decoder=false")
     _run(root, "quantize.qat_steps=2", "quantize.qat_images=32", "quantize.qat_lr=1e-3", "quantize.methods=[minmax]",
          *quick, "quantize.name=quantize-qat")
@@ -216,9 +223,11 @@ def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(roo
     assert json.loads((out / "plan.json").read_text())["qat"] == {"steps": 2, "lr": 1e-3, "images": 32}
     metrics, base = (json.loads((f / "quantize.json").read_text()) for f in (out, searched))
     assert metrics["qat"]["steps"] == 2 and metrics["qat"]["quantized_modules"] > 0
+    assert metrics["qat"]["teacher_readings"] == "float ONNX Runtime package"
     assert metrics["search"]["float_exact_match"] == base["search"]["float_exact_match"]
     assert metrics["search"]["float_cer"] == base["search"]["float_cer"]
     assert "Quantization-aware finetune: 2 of 2 steps" in (out / "report.md").read_text()
+    assert "targets: the float model's greedy readings by its float ONNX Runtime package" in (out / "report.md").read_text()
     assert f"{len(FORMULAS)} calibration images" in (out / "report.md").read_text()
     assert f"qat_images=32: the calibration set holds {len(FORMULAS)} rows" in caplog.text
     assert "Quantization-aware finetune: off" in (searched / "report.md").read_text()
