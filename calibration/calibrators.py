@@ -165,15 +165,13 @@ def compute_ranges(onnx_path: str | Path, reader: CalibrationDataReader, method_
                                        max(1, pass_bytes // max(1, reader.images)))
         if len(passes) == 1:
             return _collect(calibrator, reader)
-        del calibrator
         data: dict[str, Any] = {}
         for k, names in enumerate(passes):
-            calibrator = calibrator_for(k)
+            calibrator = calibrator if k == 0 else calibrator_for(k)  # a fresh histogram collector a pass
             _watch_only(calibrator, names)
             reader.rewind()
             found = _collect(calibrator, reader)
             data.update({name: found[name] for name in names})
-            del calibrator
         return TensorsData(chosen.ort_method, data)
 
 
