@@ -84,6 +84,7 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
         assert v["decoder_ms_per_formula"] > 0 and v["encoder_ms_per_formula"] > 0
     for v in m["variants"]:
         assert v["latency"]["n"] == 2 and v["latency"]["p50_ms"] <= v["latency"]["p95_ms"] <= v["latency"]["max_ms"]
+        assert 0 < v["latency"]["encoder_p50_ms"] < v["latency"]["max_ms"]  # the encoder's share of the same reads
         assert v["images_per_s"] > 0 and v["size_mb"] > 0 and v["peak_mb"] >= v["base_mb"] > 0
         assert 0.0 <= v["identical_tokens"] <= 1.0
     # the ratios are to the shipped (first) variant, computed from the reported numbers
@@ -106,6 +107,8 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     assert len((folder / "predictions.jsonl").read_text().splitlines()) == 10
     report = (folder / "report.md").read_text()
     assert "## Serving" in report and "## Where the time went" in report
+    d = by["deployable"]["latency"]["encoder_p50_ms"]
+    assert "| encoder p50 ms, batch 1 |" in report and f"| {d:.1f} |" in report
     assert set(m["phase_seconds"]) == {"load and render", "accuracy", "timing", "latency", "serving", "peak memory"}
 
 
