@@ -530,8 +530,9 @@ def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageConte
     its report, and a fingerprint of the rows it saw (the graphs' cache key). The fake quantizers'
     ranges: the 99.99th percentile (the stage's default method) over the first ``calib_images`` rows;
     the training images: the first ``images`` rows; the targets the student is teacher-forced on:
-    the float model's greedy readings of them by ``reference``'s float ONNX Runtime package (the
-    same tokens as torch's, export's parity check; a fifth of the time of torch's KV-cached reading)."""
+    the float model's greedy readings of them by ``reference``'s float ONNX Runtime package: 60 s
+    for 512 images of the original model against torch's KV-cached 336 s, and 92 of the first 96
+    calibration images read token for token as torch reads them (docs/quantize.md)."""
     import hashlib
 
     import torch
