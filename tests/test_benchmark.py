@@ -343,4 +343,6 @@ def test_a_reading_over_two_session_sets_stops_after_the_batch_in_hand_on_a_sign
             read([OnnxPackage(root / "export-ort_cpu", threads=1) for _ in range(2)], None, images, FORMULAS[:16], 8, 2)
     finally:
         interrupts.reset()
-    assert encoded == [2, 2]  # one batch in hand per thread, not the four each had to read
+    # at most one batch in hand per thread, not the four each had to read (the second thread's run may
+    # not have started when the first stopped: Executor.map then cancels it, and it reads nothing)
+    assert encoded in ([2], [2, 2])
