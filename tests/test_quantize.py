@@ -281,6 +281,40 @@ def test_fake_quantizers_sit_on_the_encoder_projections_only_and_come_off():
     assert any(not torch.equal(before[f"{n}.weight"], after[f"{n}.weight"]) for n in linear)
 
 
+_DEEP_IMPORT = """
+import gc, importlib, sys, weakref
+from pipeline.quantization import qat
+
+class Payload:  # stands for a stage's arrays and sessions
+    pass
+
+def stage():
+    payload = Payload()
+    {importer}("modelopt.torch.quantization")
+    return weakref.ref(payload)
+
+alive = stage()
+gc.collect()
+print("kept" if alive() is not None else "freed")
+"""
+
+
+def test_modelopt_is_imported_without_keeping_its_callers_locals_alive():
+    """The first import of ModelOpt's torch quantization, made plainly inside a function, keeps
+    that function's locals alive for the rest of the process (PuLP keeps an import error, its
+    traceback, and through the frames' ``f_back`` the whole stack); ``qat.import_detached`` does
+    not. Fresh interpreters: the import is what is measured."""
+    import subprocess
+    import sys
+
+    procs = {importer: subprocess.Popen([sys.executable, "-c", _DEEP_IMPORT.format(importer=importer)],
+                                        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+             for importer in ("importlib.import_module", "qat.import_detached")}
+    said = {importer: proc.communicate(timeout=300)[0].strip() for importer, proc in procs.items()}
+    assert said == {"importlib.import_module": "kept", "qat.import_detached": "freed"}
+
+
 def test_plan_round_trip_and_validation(tmp_path):
     from pipeline.quantization.plan import GroupPlan, Plan, load
 

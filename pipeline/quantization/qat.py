@@ -16,7 +16,10 @@ products stay float, as in the graphs.
 from __future__ import annotations
 
 import copy
+import importlib
+import threading
 import time
+from types import ModuleType
 from typing import Sequence
 
 import torch
@@ -34,13 +37,39 @@ def encoder_linears(adapter) -> set[str]:
     return {n for n, m in adapter.model.named_modules() if isinstance(m, nn.Linear) and id(m.weight) not in decoder}
 
 
+def import_detached(name: str) -> ModuleType:
+    """``importlib.import_module(name)`` on a fresh thread's stack.
+
+    ModelOpt's torch quantization imports PuLP, whose solver classes keep the exception of a failed
+    optional import (``except Exception as e: err = e`` in a class body): the exception holds its
+    traceback, the traceback its frames, and each frame, through ``f_back``, every caller up the
+    stack with all its locals. Imported here in the middle of the quantize stage, that kept the
+    stage's arrays and ONNX Runtime sessions (8.6 GB in ``stage=all``) alive to the end of the
+    process; a new thread's stack holds nothing of its caller's."""
+    imported: dict[str, ModuleType] = {}
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            imported[name] = importlib.import_module(name)
+        except BaseException as exc:  # re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name=f"import {name}")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return imported[name]
+
+
 def fake_quantize(model: nn.Module, linear: set[str], calib: torch.Tensor, encode, percentile: float,
                   batch_size: int = 8) -> list[str]:
     """ModelOpt INT8 fake quantizers on the ``nn.Linear`` modules named in ``linear`` (every other
     module, LayerNorm included, stays float); input ranges from a histogram of ``calib``'s
     activations at ``percentile``, weight ranges per output channel. Returns the quantized modules."""
-    import modelopt.torch.quantization as mtq
-    from modelopt.torch.quantization.nn import TensorQuantizer
+    mtq = import_detached("modelopt.torch.quantization")
+    TensorQuantizer = mtq.nn.TensorQuantizer
 
     if not linear:
         raise ValueError("no encoder nn.Linear to quantize")
