@@ -92,14 +92,14 @@ def _task(cfg: DictConfig) -> None:
         fail(str(exc))
     except KeyboardInterrupt:
         interrupts.finished()
-        fail("interrupted; previous artifacts left as they were", interrupted=True)
+        fail(interrupts.message(), interrupted=True)
     except Exception:
         # a native call (pybind11: matplotlib's savefig, ...) turned the signal's KeyboardInterrupt
         # into an error of its own: the run was still interrupted, and says so in one line
         if not interrupts.received():
             raise
         interrupts.finished()
-        fail("interrupted; previous artifacts left as they were", interrupted=True)
+        fail(interrupts.message(), interrupted=True)
     interrupts.finished()  # published: a signal from now on has nothing left to stop
 
 
@@ -136,7 +136,7 @@ def _prevalidate(overrides: list[str]) -> None:
         fail(f"config: {exc}")
     except Exception as exc:  # hydra/omegaconf raise many types; all are config errors here
         if interrupts.received():  # a signal that landed inside Hydra's own code, not a config error
-            fail("interrupted; previous artifacts left as they were", interrupted=True)
+            fail(interrupts.message(), interrupted=True)
         if isinstance(exc.__cause__, PipelineError):
             fail(f"config: {exc.__cause__}")
         fail(f"config: {_first_line(exc)}")
@@ -154,13 +154,13 @@ def main() -> None:
         _main()
     except KeyboardInterrupt:
         interrupts.finished()
-        fail("interrupted; previous artifacts left as they were", interrupted=True)
+        fail(interrupts.message(), interrupted=True)
     except Exception:
         # a signal inside a native module's import turns the handler's KeyboardInterrupt into that
         # module's own error (onnxruntime: "ImportError: initialization failed"): still an interrupt
         if interrupts.received():
             interrupts.finished()
-            fail("interrupted; previous artifacts left as they were", interrupted=True)
+            fail(interrupts.message(), interrupted=True)
         raise
     finally:
         interrupts.finished()
@@ -184,7 +184,7 @@ def _main() -> None:
         # Hydra turns an exception in its own start-up (composing the config) into exit code 1; when
         # a signal caused it, the run ends like any interrupted run
         if exc.code not in (0, None, 2) and interrupts.received():
-            fail("interrupted; previous artifacts left as they were", interrupted=True)
+            fail(interrupts.message(), interrupted=True)
         raise
 
 

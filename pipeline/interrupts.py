@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 from typing import Iterator
 
 from pipeline.errors import Interrupted
@@ -24,6 +25,15 @@ def _handler(signum, frame) -> None:
         raise KeyboardInterrupt
 
 
+def _unraisable(unraisable) -> None:
+    """The handler's ``KeyboardInterrupt`` raised inside a ``__del__`` or a callback cannot propagate:
+    Python would print it as "Exception ignored in ..." with a traceback (seen: tqdm's ``__del__``).
+    The flag carries the signal on, so the run still ends in one line; anything else is printed."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt) and _received:
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def install() -> bool:
     """Route SIGINT and SIGTERM through the flag (main thread only; False where that is impossible)."""
     try:
@@ -31,6 +41,7 @@ def install() -> bool:
             signal.signal(sig, _handler)
     except ValueError:  # not the main thread of this process: leave the handlers alone
         return False
+    sys.unraisablehook = _unraisable
     return True
 
 
@@ -53,11 +64,16 @@ def reset() -> None:
     _received.clear()
 
 
+def message(where: str = "") -> str:
+    """The one line an interrupted run ends with, naming the first signal seen."""
+    name = f" ({signal.Signals(_received[0]).name})" if _received else ""
+    return f"interrupted{name}{' ' + where if where else ''}; previous artifacts left as they were"
+
+
 def check(where: str = "") -> None:
     """Raise :class:`Interrupted` when a signal has been seen."""
     if _received:
-        name = signal.Signals(_received[0]).name
-        raise Interrupted(f"interrupted ({name}){' ' + where if where else ''}; previous artifacts left as they were")
+        raise Interrupted(message(where))
 
 
 @contextlib.contextmanager

@@ -198,6 +198,30 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
+def test_an_interrupt_a_finalizer_swallowed_prints_no_traceback(monkeypatch, capsys):
+    """The handler's KeyboardInterrupt raised inside a ``__del__`` (seen: tqdm's, during a SIGTERM test)
+    cannot propagate; Python would print "Exception ignored in ..." and a traceback beside the run's
+    one error line. With a signal recorded the hook stays silent (the flag ends the run); without one
+    Python's own report is kept."""
+    from pipeline import interrupts
+
+    class Finalized:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "unraisablehook", interrupts._unraisable)
+    interrupts.reset()
+    try:
+        Finalized()
+        assert "Exception ignored" in capsys.readouterr().err
+        interrupts._received.append(signal.SIGTERM)
+        Finalized()
+        assert capsys.readouterr().err == ""
+        assert interrupts.message() == "interrupted (SIGTERM); previous artifacts left as they were"
+    finally:
+        interrupts.reset()
+
+
 # A signal inside a native call surfaces as that call's own error, its cause the handler's
 # KeyboardInterrupt, both seen in CI at the moments above: during a stage (matplotlib's savefig:
 # pybind11 turned it into "TypeError: incompatible function arguments") and during onnxruntime's
@@ -230,7 +254,7 @@ def test_a_signal_a_native_call_turned_into_its_own_error_is_one_line(monkeypatc
         with pytest.raises(SystemExit) as stop:
             entry(cli)
         assert stop.value.code == 2
-        assert capsys.readouterr().err == "error: interrupted; previous artifacts left as they were\n"
+        assert capsys.readouterr().err == "error: interrupted (SIGTERM); previous artifacts left as they were\n"
         interrupts.reset()
         monkeypatch.setattr(cli, patched, unsignalled)
         with pytest.raises(type(error), match="a real error"):

@@ -121,7 +121,7 @@ def test_sigterm_during_a_stage_is_one_line_exit_2_and_leaves_no_temp_output(tmp
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
-        ["error: interrupted; previous artifacts left as they were"]
+        ["error: interrupted (SIGTERM); previous artifacts left as they were"]
     assert not list(art.glob(".tmp-*")) and not (art / "evaluate").exists()
 
 
