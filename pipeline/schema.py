@@ -141,6 +141,7 @@ MODEL_CONFIG = {
         "pad_token_id": INT(0),
     }),
     "encoder_heads": Spec("list", items=INT(1), optional=True),
+    "encoder_key_pools": Spec("list", items=Spec("list", items=INT(1), length=2), optional=True),
     "tokenizer": Spec("file", optional=True),
 }
 

@@ -56,6 +56,38 @@ def test_tiny_model_rewrite_equals_package_model(tiny):
                                    atol=1e-4, rtol=1e-4)
 
 
+def test_pooled_keys_attend_to_the_window_means_of_the_projected_keys():
+    """``pool_keys``: every query kept, keys and values the means of each window of patches (pooling
+    before the affine projections = pooling the projected keys); (1, 1) turns it off; a window that
+    does not tile the grid is refused."""
+    import math
+
+    from pipeline.adapters.attention import ExplicitAttention
+
+    torch.manual_seed(0)
+    att = ExplicitAttention(16, 2, 8).eval()
+    x = torch.randn(3, 4 * 8, 16)
+    with torch.no_grad():
+        plain = att(x, x, x)[0]
+        att.pool_keys((4, 8), (2, 2))
+        got = att(x, x, x)[0]
+        # by hand: project, then average each 2x2 block of the 4x8 grid
+        def pooled(t):
+            return t.view(3, 2, 2, 4, 2, -1).mean(dim=(2, 4)).reshape(3, 8, -1)
+        q, k, v = att.q_proj(x), pooled(att.k_proj(x)), pooled(att.v_proj(x))
+        heads = lambda t: t.view(3, t.shape[1], 2, 8).transpose(1, 2)  # noqa: E731
+        probs = torch.softmax(heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(8), dim=-1)
+        want = att.out_proj((probs @ heads(v)).transpose(1, 2).reshape(3, 32, 16))
+    assert got.shape == plain.shape and not torch.allclose(got, plain, atol=1e-3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    att.pool_keys((4, 8), (1, 1))
+    assert att.key_pool is None
+    with torch.no_grad():
+        torch.testing.assert_close(att(x, x, x)[0], plain)
+    with pytest.raises(ValueError, match="does not tile the 4x8 patch grid"):
+        att.pool_keys((4, 8), (3, 1))
+
+
 def test_sliced_attention_equals_original_with_heads_zeroed():
     torch.manual_seed(1)
     attn = ExplicitAttention(24, 6, 4).eval()

@@ -125,11 +125,34 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     ("prune.finetune_scope=decoder", "prune.finetune_scope must be one of model, encoder"),
     ("prune.finetune_targets=ground", "prune.finetune_targets must be labels or teacher"),
     ("prune.finetune_label_weight=-1", "prune.finetune_label_weight must be >= 0"),
+    ("prune.key_pool_layers=[2]", r"prune.key_pool_layers=\[2\]: each an encoder layer in 0..1"),
+    ("prune.key_pool_layers=[0,0]", "at most once"),
+    ("prune.key_pool_layers=[0] prune.key_pool=[3,1]", "does not tile the 4x8 patch grid"),
+    ("prune.key_pool_layers=[0] prune.key_pool=[2]", r"\[rows, cols\] of patches"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):
-        _run(tmp_path, tiny_folder, override)
+        _run(tmp_path, tiny_folder, *override.split())
     assert not [p for p in tmp_path.glob("prune*")]
+
+
+def test_pooled_keys_without_removed_heads_are_recovered_saved_and_reloaded(tmp_path, tiny_folder):
+    """prune.key_pool_layers alone (no head removed): one recovery round for it, fewer FLOPs, the
+    saved model pools the same layers after a reload, and the options enter the key."""
+    ctx, manifest = _run(tmp_path, tiny_folder, "prune.num_heads=0", "prune.compare_random=false",
+                         "prune.key_pool_layers=[0]", "prune.key_pool=[2,2]")
+    m = manifest["metrics"]
+    assert m["heads_removed"] == 0 and m["encoder_key_pools"] == [[2, 2], [1, 1]]
+    assert len(m["recovery"]["rounds"]) == 1 and m["recovery"]["rounds"][0]["finetune"]["steps"] == 1
+    assert m["variants"]["pruned, after recovery"]["encoder_gflops"] < m["variants"]["original"]["encoder_gflops"]
+    assert m["reload_identical"] is True
+    assert ctx.load_model("prune").encoder_key_pools() == [[2, 2], [1, 1]]
+    assert manifest["config"]["key_pool_layers"] == [0] and manifest["config"]["key_pool"] == [2, 2]
+    # without pooling the config keys are the ones earlier artifacts were made with
+    _, plain = _run(tmp_path / "plain", tiny_folder, "prune.num_heads=1", "prune.compare_random=false",
+                    "prune.finetune_steps=0")
+    assert "key_pool_layers" not in plain["config"] and "key_pool" not in plain["config"]
+    assert "encoder_key_pools" not in json.loads((tmp_path / "plain" / "prune" / "model" / "config.json").read_text())
 
 
 def test_model_without_encoder_attention_is_refused(tmp_path):

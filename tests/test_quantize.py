@@ -409,6 +409,28 @@ def test_attention_fusion_keeps_the_encoder_output(tmp_path):
     assert len({g.name for g in groups}) == len(groups)
 
 
+def test_attention_fusion_with_pooled_keys_keeps_the_encoder_output():
+    """A layer whose keys are pooled (its q/k/v run as 2-D Gemms after onnxsim) still fuses, and the
+    fused graph computes the torch model's encoder."""
+    import torch
+
+    from pipeline.export import onnx_graphs as og
+    from pipeline.quantization.fusion import fuse_attention
+
+    adapter = build_tiny()
+    adapter.pool_encoder_keys({0: [1, 2]})
+    encoder = og.simplify(og.export_graphs(adapter, 17)["encoder"], "encoder")
+    assert any(n.op_type == "ReduceMean" for n in encoder.graph.node)
+    fused = onnx.ModelProto.FromString(encoder.SerializeToString())
+    assert fuse_attention(fused) == 2
+    onnx.checker.check_model(fused)
+    x = np.random.default_rng(1).random((2, 1, 32, 64)).astype(np.float32)
+    with torch.no_grad():
+        ref = adapter.encode(torch.from_numpy(x)).numpy()
+    got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
 def test_sensitivity_ranks_the_ruinous_group_first():
     from calibration.sensitivity import SNR, measure, ranking
 

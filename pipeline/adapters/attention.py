@@ -35,6 +35,19 @@ class ExplicitAttention(nn.Module):
         # Optional per-head gate (1.0 = head on). Used for gradient-based head importance; a
         # buffer, so it is saved with the model but is not trained.
         self.register_buffer("head_mask", None, persistent=False)
+        # key/value pooling (:meth:`pool_keys`): (rows, cols, window rows, window cols) or None
+        self.key_pool: tuple[int, int, int, int] | None = None
+
+    def pool_keys(self, grid: tuple[int, int], window: tuple[int, int]) -> None:
+        """Attend to window means of the keys and values instead of every token: the key and value
+        tokens (row-major patches of a ``grid``) are averaged over each ``window`` of patches before
+        their projections (affine, so the same as averaging the projected keys), PVT's
+        spatial-reduction attention. Queries and the output keep every token; the score and context
+        products shrink by the window's size. ``(1, 1)`` turns it off."""
+        (rows, cols), (wr, wc) = grid, window
+        if wr < 1 or wc < 1 or rows % wr or cols % wc:
+            raise ValueError(f"a {wr}x{wc} window does not tile the {rows}x{cols} patch grid")
+        self.key_pool = None if (wr, wc) == (1, 1) else (rows, cols, wr, wc)
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention) -> "ExplicitAttention":
@@ -66,6 +79,10 @@ class ExplicitAttention(nn.Module):
         if self.num_heads == 0:  # every head removed: the block contributes only the out bias
             out = query.new_zeros(query.shape[:-1] + (self.embed_dim,))
             return (out + self.out_proj.bias if self.out_proj.bias is not None else out), None
+        if self.key_pool is not None:
+            pooled = pool_patch_tokens(key, *self.key_pool)
+            value = pooled if value is key else pool_patch_tokens(value, *self.key_pool)
+            key = pooled
         q = self._split(self.q_proj(query))
         k = self._split(self.k_proj(key))
         v = self._split(self.v_proj(value))
@@ -83,6 +100,13 @@ class ExplicitAttention(nn.Module):
         b, _, n, _ = ctx.shape
         ctx = ctx.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
         return self.out_proj(ctx), None
+
+
+def pool_patch_tokens(x: torch.Tensor, rows: int, cols: int, wr: int, wc: int) -> torch.Tensor:
+    """[B, rows·cols, D] patch tokens in row-major order -> [B, rows/wr · cols/wc, D], the mean of
+    each ``wr`` × ``wc`` window of patches (row-major)."""
+    d = x.shape[-1]
+    return x.reshape(-1, rows // wr, wr, cols // wc, wc, d).mean(dim=(2, 4)).reshape(-1, (rows // wr) * (cols // wc), d)
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

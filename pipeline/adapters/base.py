@@ -255,6 +255,17 @@ class ModelAdapter(abc.ABC):
     def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
         """Physically remove heads (original indices within the *current* layer) in place."""
 
+    def encoder_key_pools(self) -> list[list[int]]:
+        """Each encoder layer's key/value pooling window ([rows, cols] of patches; [1, 1] = none)."""
+        return [[1, 1] for _ in self.encoder_head_counts()]
+
+    def pool_encoder_keys(self, windows: dict[int, Sequence[int]]) -> None:
+        """Make encoder layer ``l``'s self-attention attend to the means of ``windows[l]`` ([rows,
+        cols] of patches) of its keys and values, in place (``ExplicitAttention.pool_keys``).
+        ``NotImplementedError`` when the adapter cannot (the stage names it in one line)."""
+        if windows:
+            raise NotImplementedError(f"{type(self).__name__} cannot pool encoder keys")
+
     def smoothing_pairs(self) -> list:
         """SmoothQuant's places (:mod:`pipeline.quantization.smooth`): each encoder module whose output
         channels are the input channels of some projections, with those projections. None by default

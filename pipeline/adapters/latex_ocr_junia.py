@@ -101,6 +101,12 @@ def place_on_canvas(grey: Image.Image, height: int, width: int, margin: int = CA
     return canvas
 
 
+def _patch_grid(model_config: Any) -> tuple[int, int]:
+    """Rows and columns of the patch grid the encoder's tokens are laid out on (row-major)."""
+    p = model_config.patch_size
+    return model_config.image_height // p, model_config.image_width // p
+
+
 def check_model_config(meta: dict, path: Path) -> None:
     """What the schema cannot say alone: heads divide the width, one head count per encoder layer."""
     mc = meta["model_config"]
@@ -112,6 +118,16 @@ def check_model_config(meta: dict, path: Path) -> None:
     if heads is not None and len(heads) != mc["num_encoder_layers"]:
         raise SchemaError(f"{where}: field 'encoder_heads' has {len(heads)} entries for "
                           f"{mc['num_encoder_layers']} encoder layers")
+    pools = meta.get("encoder_key_pools")
+    if pools is not None:
+        if len(pools) != mc["num_encoder_layers"]:
+            raise SchemaError(f"{where}: field 'encoder_key_pools' has {len(pools)} entries for "
+                              f"{mc['num_encoder_layers']} encoder layers")
+        rows, cols = mc["image_height"] // mc["patch_size"], mc["image_width"] // mc["patch_size"]
+        for i, (wr, wc) in enumerate(pools):
+            if rows % wr or cols % wc:
+                raise SchemaError(f"{where}: field 'encoder_key_pools[{i}]'={[wr, wc]} does not tile the "
+                                  f"{rows}x{cols} patch grid")
 
 
 @register_adapter("latex_ocr_junia")
@@ -124,7 +140,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
 
     # ---- loading and saving -------------------------------------------------------------
     @classmethod
-    def _build(cls, model_config: Any, encoder_heads: Sequence[int] | None = None) -> torch.nn.Module:
+    def _build(cls, model_config: Any, encoder_heads: Sequence[int] | None = None,
+               key_pools: Sequence[Sequence[int]] | None = None) -> torch.nn.Module:
         from latex_ocr_junia.model import build_model
 
         model = build_model(model_config)
@@ -133,6 +150,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         for block, heads in zip(model.encoder_blocks, encoder_heads or []):
             if heads != block.attn.num_heads:
                 block.attn = ExplicitAttention(model_config.d_model, heads, head_dim, dropout=model_config.dropout)
+        grid = _patch_grid(model_config)
+        for block, window in zip(model.encoder_blocks, key_pools or []):
+            block.attn.pool_keys(grid, (int(window[0]), int(window[1])))
         return model.eval()
 
     @classmethod
@@ -168,7 +188,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             try:
                 from latex_ocr_junia.model import ModelConfig
                 model_config = ModelConfig(**meta["model_config"])
-                model = cls._build(model_config, meta.get("encoder_heads"))
+                model = cls._build(model_config, meta.get("encoder_heads"), meta.get("encoder_key_pools"))
                 state = load_file(str(folder / WEIGHTS))
                 model.load_state_dict(state)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -197,6 +217,9 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             "model_config": asdict(self.model_config),
             "encoder_heads": self.encoder_head_counts(),
             "head_dim": self.model_config.d_model // self.model_config.num_heads,
+            # written only when some layer pools: a model without pooling saves what it always did
+            **({"encoder_key_pools": self.encoder_key_pools()} if any(w != [1, 1] for w in self.encoder_key_pools())
+               else {}),
             "tokenizer": TOKENIZER,
             "tokenizer_kind": "bpe" if isinstance(self.tokenizer, BpeTokenizer) else "char",
         }
@@ -284,6 +307,14 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:
         return [int(block.attn.num_heads) for block in self.model.encoder_blocks]
+
+    def encoder_key_pools(self) -> list[list[int]]:
+        return [list(block.attn.key_pool[2:]) if block.attn.key_pool else [1, 1] for block in self.model.encoder_blocks]
+
+    def pool_encoder_keys(self, windows: dict[int, Sequence[int]]) -> None:
+        grid = _patch_grid(self.model_config)
+        for layer, window in windows.items():
+            self.encoder_attention(int(layer)).pool_keys(grid, (int(window[0]), int(window[1])))
 
     def encoder_attention(self, layer: int) -> ExplicitAttention:
         return self.model.encoder_blocks[layer].attn

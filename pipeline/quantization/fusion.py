@@ -71,11 +71,15 @@ def _heads(g: _Graph, reshape: onnx.NodeProto) -> Optional[int]:
     return None
 
 
+_MERGE_SHAPE = "MultiHeadAttention/merge_heads_shape"
+
+
 def fuse_attention(model: onnx.ModelProto) -> int:
     """Rewrite every unmasked scaled-dot-product attention block into ``MultiHeadAttention`` in place;
     returns how many were fused. Blocks with a mask (the decoder's) are left as they are."""
     g = _Graph(model)
     fused: dict[int, onnx.NodeProto] = {}  # id(output Transpose) -> MHA node taking its place
+    merges: list[onnx.NodeProto] = []  # Reshapes [B, N, H, d] -> [B, N, H·d] some inputs need
     for sm in [n for n in model.graph.node if n.op_type == "Softmax"]:
         scale_node = g.producer.get(sm.input[0])
         if scale_node is None or scale_node.op_type not in ("Mul", "Div"):
@@ -103,7 +107,18 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         if not heads:
             continue
         name = (sm.name.rsplit("/", 1)[0] if "/" in sm.name else sm.name) + f"/MultiHeadAttention_{len(fused)}"
-        mha = helper.make_node("MultiHeadAttention", [rq.input[0], rk.input[0], rv.input[0]], [f"{name}_output_0"],
+        inputs = []
+        for tag, r in (("q", rq), ("k", rk), ("v", rv)):
+            src = g.producer.get(r.input[0])
+            if src is not None and src.op_type == "Gemm":
+                # a projection run as a 2-D Gemm ([B·N, H·d]; seen where the keys are pooled): the
+                # [B, N, H, d] split merged back to the [B, N, H·d] MultiHeadAttention reads
+                merges.append(helper.make_node("Reshape", [r.output[0], _MERGE_SHAPE], [f"{name}/{tag}_3d"],
+                                               name=f"{name}/{tag}_merge"))
+                inputs.append(merges[-1].output[0])
+            else:
+                inputs.append(r.input[0])
+        mha = helper.make_node("MultiHeadAttention", inputs, [f"{name}_output_0"],
                                name=name, domain="com.microsoft", num_heads=heads, scale=scale)
         for user in g.consumers.get(out_t.output[0], []):
             for k, i in enumerate(user.input):
@@ -112,7 +127,11 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         fused[id(out_t)] = mha
     if not fused:
         return 0
-    nodes = [fused.get(id(n), n) for n in model.graph.node]
+    by_mha = {m.output[0]: [r for r in merges if r.output[0] in m.input] for m in fused.values()}
+    nodes = [x for n in model.graph.node
+             for x in ([*by_mha[fused[id(n)].output[0]], fused[id(n)]] if id(n) in fused else [n])]
+    if merges:
+        model.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], dtype=np.int64), _MERGE_SHAPE))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     remove_dead_nodes(model)

@@ -52,6 +52,12 @@ class PruneConfig:
     num_heads: Optional[int] = None  # ... or this many heads (wins over ratio) ...
     flops_reduction: Optional[float] = None  # ... or the fewest heads cutting encoder FLOPs by this share
     min_heads_per_layer: int = 1
+    # key/value pooling (PVT's spatial-reduction attention, ``ExplicitAttention.pool_keys``): these
+    # encoder layers' self-attention attends to the means of each key_pool window ([rows, cols] of
+    # patches) of its keys and values, every query kept; applied with the head removal, before the
+    # recovery, so the recovery trains it in. [] = off (docs/prune.md, "Pooled keys")
+    key_pool_layers: List[int] = field(default_factory=list)
+    key_pool: List[int] = field(default_factory=lambda: [1, 2])
     normalize: str = "layer"         # layer | global: how scores compare across layers
     score_images: int = 16           # rendered train formulas for gradient and ablation scores
     recovery: bool = True            # distill the pruned model from the original
@@ -206,6 +212,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         raise PipelineError(f"removing {n_remove} of {total_heads} heads would leave a layer with fewer than "
                             f"prune.min_heads_per_layer={cfg.min_heads_per_layer} head(s); at most {limit} can go")
 
+    pools = _key_pools(cfg, original, len(head_counts))
+    changed = bool(n_remove or pools)
     name = ctx.artifact_name("prune", cfg.name)
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
@@ -213,6 +221,9 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
               "max_length": max_length, **ctx.decoding_key(), "batch_size": batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
         config.pop("refit_varied")
+    if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with
+        config.pop("key_pool_layers")
+        config.pop("key_pool")
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels")):
         if config[key] == before:  # the finetune as it was before these options: same keys
@@ -239,17 +250,17 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         fit_n = max(cfg.refit_images, cfg.distill_images if cfg.distill_epochs else 0,
                     cfg.finetune_images if cfg.finetune_steps else 0)
         train_images, train_latex, _ = _render(original, pool, fit_n, ctx.progress, "render train") \
-            if cfg.recovery and n_remove else (torch.zeros(0), [], [])
+            if cfg.recovery and changed else (torch.zeros(0), [], [])
         refit_extra, varied = None, []
         n_varied = max(cfg.refit_varied, cfg.finetune_varied if cfg.finetune_steps else 0)
-        if n_varied and cfg.recovery and n_remove:
+        if n_varied and cfg.recovery and changed:
             varied = render_inputs(list(enumerate(varied_formulas(n_varied, ctx.seed))), original.preprocess,
                                    None, ctx.progress, "render varied")
             if cfg.refit_varied:
                 refit_extra = torch.stack([x for _, _, x in varied[:cfg.refit_varied]])
         tune = _finetune_set(cfg, original, train_images, train_latex, varied[:cfg.finetune_varied], max_length,
                              batch_size) \
-            if cfg.recovery and n_remove and cfg.finetune_steps else None
+            if cfg.recovery and changed and cfg.finetune_steps else None
         eval_items = _eval_items(cfg, ctx, original)
 
         variants: dict[str, dict] = {}
@@ -257,20 +268,21 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
 
         pruned_raw = _clone(original)
         pruned_raw.remove_encoder_heads(removed)
+        pruned_raw.pool_encoder_keys(pools)
         variants["pruned, before recovery"] = _measure(pruned_raw, original, eval_items, cfg, ctx, "pruned")
 
         recovery_log: dict = {}
-        if cfg.recovery and n_remove:
+        if cfg.recovery and changed:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log, resume / "pruned", refit_extra, tune)
+                                        recovery_log, resume / "pruned", refit_extra, tune, pools)
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
             rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log, resume / "random", refit_extra, tune) \
-                if cfg.recovery else _removed(original, random_removed)
+                                     train_latex, rnd_log, resume / "random", refit_extra, tune, pools) \
+                if cfg.recovery else _removed(original, random_removed, pools)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
             recovery_log["random"] = rnd_log
@@ -291,6 +303,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "criterion": cfg.criterion, "heads_removed": n_remove, "heads_total": total_heads,
             "removed": {str(k): v for k, v in removed.items()},
             "encoder_heads": pruned.encoder_head_counts(),
+            "encoder_key_pools": pruned.encoder_key_pools(),
             "flops_per_head": per_head, "spearman_vs_ablation": correlations,
             "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
             "eval_n": len(next(iter(eval_items.values()))), "max_length": max_length,
@@ -317,28 +330,52 @@ def _flat(s) -> list[float]:
     return [float(v) for row in s for v in row]
 
 
-def _removed(adapter, heads):
+def _removed(adapter, heads, pools: dict[int, list[int]]):
     twin = _clone(adapter)
     twin.remove_encoder_heads(heads)
+    twin.pool_encoder_keys(pools)
     return twin
+
+
+def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
+    """``prune.key_pool_layers`` -> {layer: window}, checked against the model (one error line)."""
+    bad = [l for l in cfg.key_pool_layers if not 0 <= l < layers]
+    if bad or len(set(cfg.key_pool_layers)) != len(cfg.key_pool_layers):
+        raise PipelineError(f"prune.key_pool_layers={list(cfg.key_pool_layers)}: each an encoder layer in "
+                            f"0..{layers - 1}, at most once")
+    if len(cfg.key_pool) != 2 or min(cfg.key_pool) < 1:
+        raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: [rows, cols] of patches, each >= 1")
+    pools = {int(l): [int(v) for v in cfg.key_pool] for l in cfg.key_pool_layers}
+    if pools:
+        try:
+            _clone(adapter).pool_encoder_keys(pools)
+        except NotImplementedError as exc:
+            raise PipelineError(f"prune.key_pool_layers: {exc}") from None
+        except ValueError as exc:
+            raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: {exc}") from None
+    return pools
 
 
 def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
                        images: torch.Tensor, latex: list[str], log: dict, resume: Path,
                        refit_extra: Optional[torch.Tensor] = None,
-                       tune: Optional[tuple] = None):
+                       tune: Optional[tuple] = None, pools: Optional[dict[int, list[int]]] = None):
     """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each;
     ``refit_extra``: more images for the refit alone; ``tune``: the finetune's (images, LaTeX,
-    targets), :func:`_finetune_set`'s."""
+    targets), :func:`_finetune_set`'s; ``pools``: layers whose keys are pooled from the start
+    (:func:`_key_pools`; with no head removed, one recovery round for them alone)."""
     tune_images, tune_latex, tune_ids = tune if tune is not None else (images[:0], [], None)
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
+    if pools and not order:
+        rounds = [[]]
     student = _clone(original)
+    student.pool_encoder_keys(pools or {})
     current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
     log["rounds"] = []
     for r, chunk in enumerate(rounds):
-        if not chunk:
+        if not chunk and not (pools and r == 0):
             continue
         now: dict[int, list[int]] = {}
         for _, l, h in chunk:  # original head index -> its position in the current layer
@@ -346,7 +383,7 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
         student.remove_encoder_heads(now)
         for _, l, h in chunk:
             current[l].remove(h)
-        first = min(now)
+        first = min([*now, *((pools or {}) if r == 0 else {})])
         layers = list(range(first, len(current)))
         entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
         refit_n = min(cfg.refit_images, len(images))
