@@ -429,6 +429,19 @@ def test_attention_fusion_with_pooled_keys_keeps_the_encoder_output():
         ref = adapter.encode(torch.from_numpy(x)).numpy()
     got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]
     np.testing.assert_allclose(got, ref, atol=1e-4)
+    # groups: the pooled layer's projections are named after their modules in both graphs, and its
+    # MACs come from the graph's shapes: keys and values over 16 of 32 tokens (width 32, 4 heads of 8)
+    from pipeline.quantization.groups import find_groups
+
+    plain = {g.name: g for g in find_groups(encoder, tokens=32, hidden=32)}
+    assert {"encoder_blocks.0.attn.q_proj", "encoder_blocks.0.attn.k_proj", "encoder_blocks.0.attn.v_proj",
+            "encoder_blocks.1.attn.qkv_proj"} <= set(plain)
+    assert {g.name for g in find_groups(fused) if g.kind == "weights"} == \
+        {n for n, g in plain.items() if g.kind == "weights"}
+    assert plain["encoder_blocks.0.attn.q_proj"].macs == 32 * 32 * 32
+    assert plain["encoder_blocks.0.attn.k_proj"].macs == 16 * 32 * 32
+    assert plain["encoder_blocks.0.attn.scores"].macs == 4 * 32 * 8 * 16
+    assert plain["encoder_blocks.1.attn.scores"].macs == 4 * 32 * 8 * 32
 
 
 def test_sensitivity_ranks_the_ruinous_group_first():

@@ -13,6 +13,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 
 QUANTIZABLE_OPS = ("MatMul", "Gemm")
@@ -56,6 +57,16 @@ def _label(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodeProto]]) -> 
     own = _module(node.name)
     if own is not None:
         return own
+    found = _downstream_label(node, consumers)
+    # a projection whose output goes straight into its attention's head split (a layer with pooled
+    # keys: q, k and v are not merged there) finds the attention module; its parameter names the rest
+    params = [i.rsplit(".", 2) for i in node.input if i.endswith((".bias", ".weight")) and "_proj." in i]
+    if params and found.rsplit(".", 1)[-1] == params[0][-3].rsplit(".", 1)[-1] and "." in params[0][0]:
+        return f"{found}.{params[0][1]}"
+    return found
+
+
+def _downstream_label(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodeProto]]) -> str:
     found: list[str] = []
     seen = set()
     queue = deque((o, 0) for o in node.output)
@@ -85,11 +96,53 @@ def _label(node: onnx.NodeProto, consumers: dict[str, list[onnx.NodeProto]]) -> 
     return node.name
 
 
+def _shapes_at_batch_1(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """Static shapes of the graph's tensors with every input's first dimension set to 1 (those ONNX
+    shape inference resolves to plain numbers); {} when inference fails."""
+    copy = onnx.ModelProto.FromString(model.SerializeToString())
+    for i in copy.graph.input:
+        dims = i.type.tensor_type.shape.dim
+        if dims:
+            dims[0].Clear()
+            dims[0].dim_value = 1
+    try:
+        inferred = onnx.shape_inference.infer_shapes(copy, data_prop=True)
+    except Exception:  # noqa: BLE001  (an approximation is still a share)
+        return {}
+    out = {}
+    for v in [*inferred.graph.value_info, *inferred.graph.input, *inferred.graph.output]:
+        dims = v.type.tensor_type.shape.dim
+        if dims and all(d.HasField("dim_value") for d in dims):
+            out[v.name] = [d.dim_value for d in dims]
+    for t in inferred.graph.initializer:
+        out[t.name] = list(t.dims)
+    return out
+
+
+def _product_macs(node: onnx.NodeProto, shapes: dict[str, list[int]], fallback: int) -> int:
+    """Multiply-accumulates of one MatMul / Gemm from its input shapes ([..., M, K] x [..., K, N]; a
+    Gemm's transB read from the node), ``fallback`` when a shape is unknown."""
+    a, b = shapes.get(node.input[0]), shapes.get(node.input[1])
+    if not a or not b or len(a) < 2 or len(b) < 2:
+        return fallback
+    if node.op_type == "Gemm":
+        trans_b = next((x.i for x in node.attribute if x.name == "transB"), 0)
+        trans_a = next((x.i for x in node.attribute if x.name == "transA"), 0)
+        m, k = (a[1], a[0]) if trans_a else (a[0], a[1])
+        n = b[0] if trans_b else b[1]
+        return int(m * k * n)
+    m, k, n = a[-2], a[-1], b[-1]
+    batch = int(np.prod(a[:-2])) if len(a) > 2 else 1
+    return int(batch * m * k * n)
+
+
 def find_groups(model: onnx.ModelProto, tokens: int = 0, hidden: int = 0) -> list[Group]:
     """Every MatMul / Gemm of ``model`` in graph order, one :class:`Group` each, unique names.
 
     ``tokens`` (sequence length) and ``hidden`` (model width) give each group's multiply-accumulates
-    per image: weights ``tokens·in·out``, attention products ``tokens²·hidden``."""
+    per image: from the graph's own shapes at batch 1 where ONNX shape inference knows them (a
+    layer's pruned heads, its pooled keys), else weights ``tokens·in·out``, attention products
+    ``tokens²·hidden``."""
     inits = {t.name: t for t in model.graph.initializer}
     consts = {n.output[0] for n in model.graph.node if n.op_type == "Constant"}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -97,6 +150,7 @@ def find_groups(model: onnx.ModelProto, tokens: int = 0, hidden: int = 0) -> lis
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     groups, used = [], set()
+    shapes = _shapes_at_batch_1(model) if tokens and hidden else None
     for n in model.graph.node:
         if n.op_type not in QUANTIZABLE_OPS:
             continue
@@ -112,5 +166,7 @@ def find_groups(model: onnx.ModelProto, tokens: int = 0, hidden: int = 0) -> lis
         if weights and n.input[1] in inits:
             dims = list(inits[n.input[1]].dims)
             macs = tokens * dims[0] * dims[1] if len(dims) == 2 else 0
+        if shapes is not None:  # the node's own shapes (pruned heads, pooled keys) when inference knows them
+            macs = _product_macs(n, shapes, macs)
         groups.append(Group(name, n.name, n.op_type, "weights" if weights else "activations", int(macs)))
     return groups
