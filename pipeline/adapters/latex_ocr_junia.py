@@ -212,14 +212,14 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
         save_file(state, str(folder / WEIGHTS), metadata={"family": self.family})
+        pools = self.encoder_key_pools()
         meta = {
             "family": self.family,
             "model_config": asdict(self.model_config),
             "encoder_heads": self.encoder_head_counts(),
             "head_dim": self.model_config.d_model // self.model_config.num_heads,
             # written only when some layer pools: a model without pooling saves what it always did
-            **({"encoder_key_pools": self.encoder_key_pools()} if any(w != [1, 1] for w in self.encoder_key_pools())
-               else {}),
+            **({"encoder_key_pools": pools} if any(w != [1, 1] for w in pools) else {}),
             "tokenizer": TOKENIZER,
             "tokenizer_kind": "bpe" if isinstance(self.tokenizer, BpeTokenizer) else "char",
         }
