@@ -12,6 +12,7 @@ import shutil
 import zipfile
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -123,7 +124,7 @@ def check_model_config(meta: dict, path: Path) -> None:
         if len(pools) != mc["num_encoder_layers"]:
             raise SchemaError(f"{where}: field 'encoder_key_pools' has {len(pools)} entries for "
                               f"{mc['num_encoder_layers']} encoder layers")
-        rows, cols = mc["image_height"] // mc["patch_size"], mc["image_width"] // mc["patch_size"]
+        rows, cols = _patch_grid(SimpleNamespace(**mc))
         for i, (wr, wc) in enumerate(pools):
             if rows % wr or cols % wc:
                 raise SchemaError(f"{where}: field 'encoder_key_pools[{i}]'={[wr, wc]} does not tile the "
