@@ -41,6 +41,10 @@ def test_defaults_compose_and_stage_group_selects_stage():
     assert chain.search_split == "train" and chain.search_images >= 1779 and chain.search_split not in chain.eval_splits
     # ... after a quantization-aware finetune of the encoder (off in the stage alone)
     assert chain.qat_steps > 0 and compose_cfg(["stage=quantize"]).quantize.qat_steps == 0
+    # ... on the pruned model with layer 0's keys pooled in 2x2 windows (off in the stage alone)
+    pruning = compose_cfg(["stage=all"]).prune
+    assert list(pruning.key_pool_layers) == [0] and list(pruning.key_pool) == [2, 2]
+    assert compose_cfg(["stage=prune"]).prune.key_pool_layers == []
     typed = OmegaConf.to_object(compose_cfg(["eval.limit=7"]))  # an override arrives typed, in its section
     assert typed.eval.limit == 7 and typed.eval.model == "original"
 
