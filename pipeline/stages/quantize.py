@@ -782,10 +782,12 @@ def _pareto(folder: Path, table: list[dict]) -> None:
     rows = [r for r in table if "total_ms" in r]
     if not rows:  # quantize.check=false: nothing timed here
         return
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for r in rows:
-        ax.scatter(r["total_ms"], r["exact_match"], s=40)
-        ax.annotate(r["variant"], (r["total_ms"], r["exact_match"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    markers = "osD^vP*Xh<>"
+    for i, r in enumerate(rows):  # a legend, not labels: the variants near float crowd one corner
+        ax.scatter(r["total_ms"], r["exact_match"], s=45, marker=markers[i % len(markers)],
+                   label=f"{r['variant']} ({r['total_ms']:.0f} ms, {r['exact_match']:.3f})")
+    ax.legend(fontsize=7, loc="center right")  # the collapsed anchors sit at the bottom, the rest at the top
     ax.set_xlabel("end-to-end ms / formula (batch 1, 1 thread)")
     ax.set_ylabel(f"exact match ({rows[0]['n'] if rows else 0} eval formulas)")
     ax.set_title("Latency vs exact match")
