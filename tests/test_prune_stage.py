@@ -136,6 +136,20 @@ def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder
     assert not [p for p in tmp_path.glob("prune*")]
 
 
+def test_an_adapter_that_cannot_pool_keys_is_one_error_line_saying_how_to_turn_it_off(tmp_path, tiny_folder,
+                                                                                      monkeypatch):
+    """stage=all pools layer 0's keys: a model whose adapter cannot (the base adapter's default) stops
+    before any work with the option that runs it without pooling."""
+    from pipeline.adapters.base import ModelAdapter
+
+    adapter_cls = type(build_tiny())
+    monkeypatch.setattr(adapter_cls, "pool_encoder_keys", ModelAdapter.pool_encoder_keys)
+    with pytest.raises(PipelineError, match=r"prune.key_pool_layers=\[0\]: \w+ cannot pool encoder keys; "
+                                            r"'prune.key_pool_layers=\[\]' prunes without pooling"):
+        _run(tmp_path, tiny_folder, "prune.key_pool_layers=[0]", "prune.key_pool=[2,2]")
+    assert not [p for p in tmp_path.glob("prune*")]
+
+
 def test_pooled_keys_without_removed_heads_are_recovered_saved_and_reloaded(tmp_path, tiny_folder):
     """prune.key_pool_layers alone (no head removed): one recovery round for it, fewer FLOPs, the
     saved model pools the same layers after a reload, and the options enter the key."""

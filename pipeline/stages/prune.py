@@ -350,7 +350,8 @@ def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
         try:
             _clone(adapter).pool_encoder_keys(pools)
         except NotImplementedError as exc:
-            raise PipelineError(f"prune.key_pool_layers: {exc}") from None
+            raise PipelineError(f"prune.key_pool_layers={list(cfg.key_pool_layers)}: {exc}; "
+                                f"'prune.key_pool_layers=[]' prunes without pooling (stage=all pools layer 0)") from None
         except ValueError as exc:
             raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: {exc}") from None
     return pools
