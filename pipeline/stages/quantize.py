@@ -789,7 +789,7 @@ def _pareto(folder: Path, table: list[dict]) -> None:
                    label=f"{r['variant']} ({r['total_ms']:.0f} ms, {r['exact_match']:.3f})")
     ax.legend(fontsize=7, loc="center right")  # the collapsed anchors sit at the bottom, the rest at the top
     ax.set_xlabel("end-to-end ms / formula (batch 1, 1 thread)")
-    ax.set_ylabel(f"exact match ({rows[0]['n'] if rows else 0} eval formulas)")
+    ax.set_ylabel(f"exact match ({rows[0]['n']} eval formulas)")
     ax.set_title("Latency vs exact match")
     savefig(fig, folder / "pareto.png")
 
