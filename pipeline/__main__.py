@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import pipeline
 from pipeline import interrupts
-from pipeline.errors import PipelineError
+from pipeline.errors import Interrupted, PipelineError
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -32,7 +32,10 @@ def fail(message: str, interrupted: bool = False) -> NoReturn:
     sys.exit(2)
 
 
-def run_stages(cfg: DictConfig) -> dict:
+def run_stages(cfg: DictConfig, ctx=None) -> dict:
+    """Run ``cfg.stage`` (every stage of ``stage=all`` in order) with ``ctx`` (a fresh
+    :class:`StageContext` of ``cfg`` when None). Under ``stage=all`` a stage's error line names the
+    stage, so a failure an hour in says where it happened."""
     from omegaconf import OmegaConf
 
     from pipeline.context import StageContext
@@ -44,7 +47,7 @@ def run_stages(cfg: DictConfig) -> dict:
     if cfg.model.threads:
         import torch
         torch.set_num_threads(int(cfg.model.threads))
-    ctx = StageContext(cfg)
+    ctx = ctx if ctx is not None else StageContext(cfg)
     names = list(ORDER) if cfg.stage == "all" else [cfg.stage]
     results = {}
     for name in names:
@@ -59,7 +62,12 @@ def run_stages(cfg: DictConfig) -> dict:
             log.info(f"[{name}] off in stage=all ({spec.config_key}.in_chain=false): skipped")
             continue
         log.info(f"[{name}] {spec.doc}")
-        results[name] = spec.run(stage_cfg, ctx)
+        try:
+            results[name] = spec.run(stage_cfg, ctx)
+        except PipelineError as exc:
+            if cfg.stage != "all" or isinstance(exc, Interrupted):
+                raise
+            raise type(exc)(f"stage=all, stage {name}: {exc}") from None
     return results
 
 
