@@ -3,6 +3,8 @@
 Library code raises the subclass that says what kind of thing was wrong, with the facts (the file,
 the field, the value, the limit); only the CLI turns it into ``error: <message>``.
 """
+from contextlib import contextmanager
+from typing import Iterator
 
 
 class PipelineError(Exception):
@@ -38,3 +40,16 @@ class OutputError(PipelineError):
 
 class Interrupted(PipelineError):
     """SIGTERM or Ctrl-C arrived: the run stops and publishes nothing."""
+
+
+@contextmanager
+def optional_part(what: str, off: str) -> Iterator[None]:
+    """A part of a stage that a setting turns off: an error inside it names the part and the
+    setting (``quantize.original (...): <the error>; quantize.original=false turns it off``), so a
+    failure an hour into ``stage=all`` says what to change. An interrupt passes unchanged."""
+    try:
+        yield
+    except Interrupted:
+        raise
+    except PipelineError as exc:
+        raise type(exc)(f"{what}: {exc}; {off} turns it off") from None

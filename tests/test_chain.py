@@ -49,8 +49,9 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     from pipeline.stages import export
 
     original, adapter = _tiny_with_calib_set(tmp_path)
-    baselines = ["quantize.original=true", "export.baselines=true",  # stage=all's settings
-                 "quantize.qat_steps=2", "quantize.qat_images=8"]
+    baselines = ["quantize.original=true", "export.baselines=true",  # stage=all's thorough settings
+                 "quantize.qat_steps=2", "quantize.qat_images=8",
+                 "prune.key_pool_layers=[0]", "prune.key_pool=[2,2]"]  # layer 0 pooled: q/k/v split there
     decoded = []  # models whose torch parity reading was decoded (not handed over from another package)
     real = export.token_parity
     monkeypatch.setattr(export, "token_parity", lambda adapter, *a, reference=None, **k: (
@@ -71,9 +72,14 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     applied = json.loads((tmp_path / "quantize-original" / "manifest.json").read_text())
     assert applied["config"]["model_ref"] == str(original) and applied["config"]["plan"].endswith("quantize/plan.json")
     plans = [json.loads((tmp_path / q / "plan.json").read_text()) for q in ("quantize", "quantize-original")]
-    assert [{g: p["precision"] for g, p in plan["groups"].items()} for plan in plans][0] == \
-        {g: p["precision"] for g, p in plans[1]["groups"].items()}
-    assert plans[0]["ort_cpu_groups"] == plans[1]["ort_cpu_groups"] and plans[1]["note"].startswith("applied from")
+    # the pooled layer 0's q/k/v groups are the original's merged qkv_proj, every other group the same
+    chain_groups = {g: p["precision"] for g, p in plans[0]["groups"].items()}
+    qkv = [f"encoder_blocks.0.attn.{r}_proj" for r in "qkv"]
+    assert {g: p["precision"] for g, p in plans[1]["groups"].items()} == {
+        **{g: p for g, p in chain_groups.items() if g not in qkv},
+        "encoder_blocks.0.attn.qkv_proj": "int8" if all(chain_groups[g] == "int8" for g in qkv) else "float"}
+    assert plans[1]["carried"] == {"encoder_blocks.0.attn.qkv_proj": sorted(qkv)}
+    assert plans[1]["note"].startswith("applied from") and "carried over" in plans[1]["note"]
     assert plans[0]["qat"] == plans[1]["qat"] == {"steps": 2, "lr": 2e-5, "images": 8}  # the original finetuned too
     assert "plan applied from" in (tmp_path / "quantize-original" / "report.md").read_text()
     int8 = json.loads((tmp_path / "export-ort_cpu-int8-original" / "manifest.json").read_text())

@@ -91,10 +91,35 @@ def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_t
     for target in chain["export.targets"]:
         assert (root / f"export-{target}" / "manifest.json").is_file(), target
     pooled = json.loads((root / "prune" / "model" / "config.json").read_text())
-    assert pooled.get("key_pool") or pooled.get("key_pools"), "prune pooled no keys"
+    assert pooled["encoder_key_pools"][0] == chain["prune.key_pool"]  # layer 0's keys pooled
     summary = (root / "summary.md").read_text()
     assert "deployable" in summary and "float-original" in summary
-    for stage in ("prune", "quantize", "export", "benchmark"):  # where a run's minutes went
+    for stage in ("corpus", "prune", "tokenizer", "calibrate", "quantize", "export", "benchmark", "total"):
         assert f"| {stage} |" in summary, stage
     if chain.get("quantize.original"):
         assert (root / "export-ort_cpu-int8-original" / "package.json").is_file()
+
+
+def test_a_late_failure_in_stage_all_names_the_stage_and_the_setting_that_turns_its_part_off(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from pipeline import stages
+    from pipeline.__main__ import run_stages
+    from pipeline.context import StageContext
+    from pipeline.errors import PipelineError, optional_part
+
+    ran = []
+
+    def quantize(cfg, ctx):
+        with optional_part("quantize.original (a comparison)", "quantize.original=false"):
+            raise PipelineError("3 group(s) not in this model's graph")
+
+    for name, spec in stages.STAGES.items():
+        monkeypatch.setitem(stages.STAGES, name, replace(spec, run=quantize if name == "quantize" else
+                                                         (lambda cfg, ctx, n=name: ran.append(n))))
+    cfg = compose_cfg(["stage=all", f"artifacts.dir={tmp_path}", "progress=false"])
+    with pytest.raises(PipelineError) as err:
+        run_stages(cfg, StageContext(cfg))
+    assert str(err.value) == ("stage=all, stage quantize: quantize.original (a comparison): 3 group(s) not in this "
+                              "model's graph; quantize.original=false turns it off")
+    assert ran == ["prune", "tokenizer", "calibrate"]  # the stages before it ran; none after

@@ -315,6 +315,31 @@ def test_modelopt_is_imported_without_keeping_its_callers_locals_alive():
     assert said == {"importlib.import_module": "kept", "qat.import_detached": "freed"}
 
 
+def test_a_plan_carried_to_another_graph_maps_a_layers_qkv_by_what_it_is(tmp_path):
+    """A pooled layer has separate q/k/v projection groups where the unpooled model has one merged
+    qkv_proj (quantize.original applies the pooled chain's plan to the original model)."""
+    from pipeline.quantization.plan import GroupPlan, Plan, carry, load
+
+    split = {"b.0.attn.q_proj": "int8", "b.0.attn.k_proj": "int8", "b.0.attn.v_proj": "int8", "b.0.mlp.0": "float"}
+    fused = ["b.0.attn.qkv_proj", "b.0.mlp.0"]
+    assert carry(split, fused) == ({"b.0.attn.qkv_proj": "int8", "b.0.mlp.0": "float"},
+                                   {"b.0.attn.qkv_proj": ["b.0.attn.k_proj", "b.0.attn.q_proj", "b.0.attn.v_proj"]}, [])
+    # the merged group is INT8 only when every part is
+    assert carry({**split, "b.0.attn.k_proj": "float"}, fused)[0]["b.0.attn.qkv_proj"] == "float"
+    # and the other way: each part takes the merged group's precision
+    back, carried, unknown = carry({"b.0.attn.qkv_proj": "float", "b.0.mlp.0": "int8"}, list(split))
+    assert back == {"b.0.attn.q_proj": "float", "b.0.attn.k_proj": "float", "b.0.attn.v_proj": "float",
+                    "b.0.mlp.0": "int8"} and carried["b.0.attn.v_proj"] == ["b.0.attn.qkv_proj"] and not unknown
+    assert carry({"b.1.mlp.0": "int8"}, fused)[2] == ["b.1.mlp.0"]  # nothing it could be: named
+    plan = Plan(method="minmax", budget=0.005, ort_cpu_groups=dict(split), groups={
+        n: GroupPlan(p, f"node{i}", "weights", 10) for i, (n, p) in enumerate(split.items())})
+    plan.save(tmp_path / "p.json")
+    applied = load(tmp_path / "p.json", fused, ["minmax"])
+    assert {n: g.precision for n, g in applied.groups.items()} == {"b.0.attn.qkv_proj": "int8", "b.0.mlp.0": "float"}
+    assert applied.ort_cpu_groups == {"b.0.attn.qkv_proj": "int8", "b.0.mlp.0": "float"}
+    assert list(applied.carried) == ["b.0.attn.qkv_proj"]
+
+
 def test_plan_round_trip_and_validation(tmp_path):
     from pipeline.quantization.plan import GroupPlan, Plan, load
 

@@ -15,6 +15,8 @@ from pipeline.reports import markdown_table, plt, savefig
 
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
+# the order stage=all makes its artifacts in (the corpus first: the stages read it)
+RUN_ORDER = ("corpus", "evaluate", "prune", "tokenizer", "distill", "calibrate", "quantize", "export", "benchmark")
 
 HEADER = ["variant", "exact match", "Δ points", "CER", "n", "identical tokens", "p50 ms", "p95 ms", "images/s (batch 8)",
           "peak RSS MB", "size MB", "speedup p50", "throughput ratio", "size ratio"]
@@ -108,6 +110,22 @@ def stage_reports(root: Path) -> list[dict]:
     return out
 
 
+def stage_minutes_table(stages: Sequence[dict]) -> str:
+    """One row a stage (its folders together: ``export-ort_cpu`` and ``export-metax`` are export's),
+    in the order they were listed, and the total."""
+    rows: dict[str, list] = {}
+    for s in stages:
+        family = s["folder"].split("-", 1)[0]
+        row = rows.setdefault(family, [family, [], 0.0])
+        row[1].append(s["folder"])
+        row[2] += float(s["seconds"] or 0.0)
+    total = sum(r[2] for r in rows.values())
+    ordered = sorted(rows.values(), key=lambda r: (RUN_ORDER.index(r[0]) if r[0] in RUN_ORDER else len(RUN_ORDER), r[0]))
+    return markdown_table(["stage", "folders", "minutes"],
+                          [[f, ", ".join(folders), f"{sec / 60:.1f}"] for f, folders, sec in ordered]
+                          + [["total", "", f"{total / 60:.1f}"]])
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a temporary sibling and one rename: readers see the old or the new file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +163,9 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
               markdown_table(["stage", "folder", "report", "seconds"],
                              [[s["stage"], s["folder"], f"[{s['report']}]({s['report']})",
                                "" if s["seconds"] is None else f"{s['seconds']:.0f}"] for s in stages]), ""]
+    lines += ["## Where the minutes went", "",
+              "Each stage's artifacts, the time they took when they were made (a reused artifact keeps the "
+              "time of the run that made it):", "", stage_minutes_table(stages), ""]
     if metrics.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in metrics["notes"]] + [""]
     md, js = root / SUMMARY_MD, root / SUMMARY_JSON

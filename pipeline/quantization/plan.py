@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from pipeline.errors import PipelineError
 
 FORMAT = "formula-compress quantize plan v1"
 PRECISIONS = ("int8", "float")
 ACTIVATIONS = ("int8", "uint8")  # pipeline.quantization.qdq.ACTIVATIONS
+# one layer's query/key/value projections are separate groups where its keys are pooled (prune's
+# key_pool_layers) and one merged group where they are not: the same weights in another graph
+SPLIT_QKV = ("q_proj", "k_proj", "v_proj")
+FUSED_QKV = "qkv_proj"
 
 
 @dataclass
@@ -44,6 +48,9 @@ class Plan:
     ort_cpu_activations: str = "int8"
     # the quantization-aware finetune the graphs were made after ({steps, lr, images}; None: none)
     qat: dict[str, Any] | None = None
+    # groups of this graph that stand for groups of another named otherwise in the plan file (a
+    # merged qkv_proj for a pooled layer's q/k/v): {group here: [the file's groups]}
+    carried: dict[str, list[str]] = field(default_factory=dict)
 
     def int8_groups(self) -> list[str]:
         return [g for g, p in self.groups.items() if p.precision == "int8"]
@@ -80,10 +87,6 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     groups = raw.get("groups")
     if not isinstance(groups, dict) or not groups:
         raise PipelineError(f"quantize.plan: {path} has no 'groups' object")
-    unknown = sorted(set(groups) - set(known_groups))
-    if unknown:
-        raise PipelineError(f"quantize.plan: {len(unknown)} group(s) not in this model's graph: "
-                            f"{', '.join(unknown[:5])}; known groups are listed in the generated plan.json")
     parsed = {}
     for name, g in groups.items():
         if not isinstance(g, dict) or g.get("precision") not in PRECISIONS:
@@ -93,6 +96,11 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
                                      macs=int(g.get("macs", 0)), sensitivity=dict(g.get("sensitivity", {})))
         except (KeyError, TypeError, ValueError) as exc:
             raise PipelineError(f"quantize.plan: group {name!r}: bad field ({exc})") from None
+    precisions, carried, unknown = carry({n: g.precision for n, g in parsed.items()}, known_groups)
+    if unknown:
+        raise PipelineError(f"quantize.plan: {len(unknown)} group(s) not in this model's graph: "
+                            f"{', '.join(unknown[:5])}; known groups are listed in the generated plan.json")
+    parsed = {n: parsed[n] if n in parsed else GroupPlan(p, "", parsed[carried[n][0]].kind) for n, p in precisions.items()}
     try:
         budget = float(raw.get("budget", 0.005))
     except (TypeError, ValueError):
@@ -106,7 +114,7 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     ort = raw.get("ort_cpu_groups") or {}
     if not isinstance(ort, dict) or any(v not in PRECISIONS for v in ort.values()):
         raise PipelineError(f"quantize.plan: 'ort_cpu_groups' must map group names to one of {PRECISIONS}")
-    unknown = sorted(set(ort) - set(known_groups))
+    ort, _, unknown = carry(ort, known_groups)
     if unknown:
         raise PipelineError(f"quantize.plan: {len(unknown)} ort_cpu group(s) not in this model's graph: "
                             f"{', '.join(unknown[:5])}")
@@ -118,7 +126,34 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
                 qat=_qat(raw.get("qat"), path),
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
                 decoder_nodes={str(k): str(v) for k, v in nodes.items()},
-                ort_cpu_groups={str(k): str(v) for k, v in ort.items()})
+                ort_cpu_groups={str(k): str(v) for k, v in ort.items()}, carried=carried)
+
+
+def carry(precisions: dict[str, str], known: Iterable[str]) -> tuple[dict[str, str], dict[str, list[str]], list[str]]:
+    """A plan's group precisions carried to a graph whose groups are ``known``, each group mapped by
+    what it is: a name the graph has is kept; a layer's separate q/k/v projections become its merged
+    ``qkv_proj`` (INT8 only when every one of them is INT8), a merged ``qkv_proj`` becomes separate
+    q/k/v projections of its precision. Returns the precisions by this graph's names, which of them
+    were carried ({name here: [the plan's names]}) and the plan's names with no counterpart."""
+    known = set(known)
+    out: dict[str, str] = {}
+    carried: dict[str, list[str]] = {}
+    unknown: list[str] = []
+    for name, precision in precisions.items():
+        prefix, _, role = name.rpartition(".")
+        if name in known:
+            out[name] = precision
+        elif role in SPLIT_QKV and f"{prefix}.{FUSED_QKV}" in known:
+            fused = f"{prefix}.{FUSED_QKV}"
+            carried.setdefault(fused, []).append(name)
+            out[fused] = "float" if "float" in (precision, out.get(fused)) else "int8"
+        elif role == FUSED_QKV and all(f"{prefix}.{r}" in known for r in SPLIT_QKV):
+            for r in SPLIT_QKV:
+                out[f"{prefix}.{r}"] = precision
+                carried[f"{prefix}.{r}"] = [name]
+        else:
+            unknown.append(name)
+    return out, {k: sorted(v) for k, v in carried.items()}, sorted(unknown)
 
 
 def _alpha(value: Any, path: Path) -> float | None:

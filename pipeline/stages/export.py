@@ -21,7 +21,7 @@ from tqdm import tqdm
 from pipeline.artifacts import atomic_write_dir
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, optional_part
 from pipeline.files import read_formulas
 from pipeline.export import tensorrt as trt_build
 from pipeline.export.package import build_graphs, write_package
@@ -155,9 +155,12 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
         manifests = {}
         for name in cfg.targets:
             one = replace(cfg, targets=[], baselines=False, name=f"{cfg.name}-{name}" if cfg.name else None)
-            manifests[name] = _run_one(one, ctx, target_config(name), references)
+            others = [t for t in cfg.targets if t != name]
+            with optional_part(f"export target {name}", f"export.targets=[{','.join(others)}]"):
+                manifests[name] = _run_one(one, ctx, target_config(name), references)
     if cfg.baselines:
-        manifests.update(_baselines(cfg, ctx, references))
+        with optional_part("export.baselines (the packages the benchmark compares with)", "export.baselines=false"):
+            manifests.update(_baselines(cfg, ctx, references))
     return manifests if len(manifests) > 1 else next(iter(manifests.values()))
 
 

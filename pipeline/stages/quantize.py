@@ -36,7 +36,7 @@ from calibration import sensitivity
 from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
-from pipeline.errors import PipelineError
+from pipeline.errors import PipelineError, optional_part
 from pipeline.quantization import anchors, qdq
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.groups import find_groups
@@ -172,7 +172,9 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
                       decoder_search_images=min(cfg.decoder_search_images, cfg.original_search_images))
     log.info(f"[quantize] {origin}, the model {manifest['config']['model_ref']} was made from, with its plan "
              f"(quantize.original)")
-    _run_one(applied, ctx)
+    with optional_part("quantize.original (the model the chain's was made from, with its plan: a comparison)",
+                       "quantize.original=false"):
+        _run_one(applied, ctx)
     return manifest
 
 
@@ -244,7 +246,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     if qat_cfg:
         (scratch / "reference").mkdir()
         reference = float_graphs(adapter, scratch / "reference", max_length, graph_key, threads=int(mcfg.threads or 0))
-        adapter, qat_report, rows_hash = _qat(adapter, calib_set, cfg, qat_cfg, ctx, reference)
+        with optional_part("quantize's quantization-aware finetune", "quantize.qat_steps=0"):
+            adapter, qat_report, rows_hash = _qat(adapter, calib_set, cfg, qat_cfg, ctx, reference)
         graph_key += f":qat={json.dumps(qat_cfg, sort_keys=True)}:{rows_hash}"
     graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, graph_key, threads=int(mcfg.threads or 0))
     reference = reference or graphs
@@ -328,6 +331,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         plan = given
         for name in by_name:  # groups the file leaves out stay float
             plan.groups.setdefault(name, GroupPlan("float", by_name[name].node, by_name[name].kind, by_name[name].macs))
+        for name, g in plan.groups.items():  # the file's nodes and MACs are of the graph it was made on
+            g.node, g.kind, g.macs = by_name[name].node, by_name[name].kind, by_name[name].macs
         int8 = plan.int8_groups()
         r = read(readers, build(graphs.encoder_std, cache, chosen, int8, scratch / "plan.onnx"),
                  search_images, search_truths, max_length, batch)
@@ -336,7 +341,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         plan.budget = cfg.budget
         trace.append({"float_groups": len(by_name) - len(int8), "exact_match": r.exact_match, "loss": loss,
                       **r.paired(float_reading)})
-        plan.note = f"applied from {cfg.plan}"
+        plan.note = f"applied from {cfg.plan}" + (f"; {carried_line(plan.carried)}" if plan.carried else "")
         std_readings[len(by_name) - len(int8)] = r
         k = len(by_name) - len(int8)
     else:
@@ -423,11 +428,12 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             dec_images = calib_images(calib_set, cfg.calib_images, dec_end)
             dec_truths = calib_set[cfg.calib_images:dec_end]["text"]
             dec_set = f"calibration-set rows {cfg.calib_images}..{dec_end - 1}"
-        decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
-            cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, dec_set, sens_images, max_length,
-            batch, int(mcfg.threads or 0), ctx.progress,
-            # the same rows as the search set: the ort_cpu encoder's reading with the float decoder is made
-            ort_reading if n_dec == len(search_truths) else None)
+        with optional_part("quantize's ort_cpu decoder plan", "quantize.decoder=false"):
+            decoder_reading, decoder_trace, decoder_sens = _decoder_plan(
+                cfg, graphs, folder, scratch, plan, given, dec_images, dec_truths, dec_set, sens_images, max_length,
+                batch, int(mcfg.threads or 0), ctx.progress,
+                # the same rows as the search set: the ort_cpu encoder's reading with the float decoder is made
+                ort_reading if n_dec == len(search_truths) else None)
     else:
         plan.decoder, plan.decoder_nodes = "float", {}
     lap('decoder plan')
@@ -453,7 +459,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     lap('check on eval and anchors')
     metrics = {
         "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
-        "applied_plan": cfg.plan,
+        "applied_plan": cfg.plan, "carried": plan.carried,
         "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
         "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
         "search": plan.measured, "search_n": len(search_truths), "search_trace": trace,
@@ -493,6 +499,12 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     if note:
         log.warning(f"[quantize] {note}")
     return metrics
+
+
+def carried_line(carried: dict[str, list[str]]) -> str:
+    """How an applied plan's groups were mapped onto this graph's (a pooled layer's q/k/v onto a merged qkv)."""
+    return "groups carried over by what they are: " + ", ".join(
+        f"{', '.join(f'`{s}`' for s in src)} → `{dst}`" for dst, src in sorted(carried.items()))
 
 
 def resolution_note(m: dict) -> Optional[str]:
@@ -842,6 +854,8 @@ def _write_report(folder: Path, m: dict, plan: Plan) -> None:
     if applied:
         status = (f"met by the plan applied from `{applied}` (no search)" if m["met_budget"] else
                   f"**NOT met by the plan applied from `{applied}`** (no search: written as given, marked as such)")
+        if m.get("carried"):
+            status += f"; {carried_line(m['carried'])}"
     else:
         status = "met" if m["met_budget"] else "**NOT met: the best plan found is written, marked as such**"
     if not m["methods"]:
