@@ -36,9 +36,10 @@ def test_defaults_compose_and_stage_group_selects_stage():
         assert cfg.stage == name
         assert OmegaConf.to_object(cfg[spec.config_key]) == spec.config_cls()
     assert OmegaConf.to_object(cfg.model) == ModelConfig() and OmegaConf.to_object(cfg.data) == DataConfig()
-    # stage=all searches the quantize plan on the whole train split, never on an eval split
+    # stage=all searches the quantize plan on train formulas (preset=thorough: the whole split), never on an eval split
     chain = compose_cfg(["stage=all"]).quantize
-    assert chain.search_split == "train" and chain.search_images >= 1779 and chain.search_split not in chain.eval_splits
+    assert chain.search_split == "train" and chain.search_split not in chain.eval_splits
+    assert compose_cfg(["stage=all", "preset=thorough"]).quantize.search_images >= 1779
     # ... after a quantization-aware finetune of the encoder (off in the stage alone)
     assert chain.qat_steps > 0 and compose_cfg(["stage=quantize"]).quantize.qat_steps == 0
     # ... on the pruned model with layer 0's keys pooled in 2x2 windows (off in the stage alone)

@@ -838,3 +838,29 @@ def test_an_unknown_search_split_is_one_error_and_no_artifact(root):
     with pytest.raises(PipelineError, match="corpus split 'trian' is empty"):
         _run(root, "quantize.search_split=trian", "quantize.name=quantize-bad-split")
     assert not (root / "quantize-bad-split").exists() and not list(root.glob(".tmp-quantize-bad-split*"))
+
+
+def test_a_search_reading_stops_once_its_candidate_is_clearly_over_the_budget_and_not_before(monkeypatch):
+    from pipeline.quantization import measure
+    from pipeline.quantization.measure import Reading, loss_against, read_or_reject
+
+    truths = [f"t{i}" for i in range(512)]
+    reference = Reading([[i] for i in range(512)], truths, [True] * 512, 0.0)
+    asked = []
+
+    def fake_read(package, encoder, images, truths, max_length, batch_size):
+        asked.append(len(images))
+        right = {"bad": lambda i: i % 3 == 0, "close": lambda i: i % 100 != 7}[encoder]
+        rows = [int(x) for x in images]
+        return Reading([[i] for i in rows], [truths[k] if right(i) else "x" for k, i in enumerate(rows)],
+                       [right(i) for i in rows], 0.0)
+
+    monkeypatch.setattr(measure, "read", fake_read)
+    images = np.arange(512)
+    bad = read_or_reject(None, "bad", images, truths, 8, 16, reference, 0.005, chunk=128)
+    assert asked == [128] and len(bad.exact) == 128 and loss_against(bad, reference) > 0.5  # stopped after a chunk
+    asked.clear()
+    # 1 % lost: over the 0.5-point budget, but not by 3 standard errors: read whole, the whole set decides
+    close = read_or_reject(None, "close", images, truths, 8, 16, reference, 0.005, chunk=128)
+    assert asked == [128] * 4 and len(close.exact) == 512
+    assert loss_against(close, reference) == pytest.approx(1 - np.mean([i % 100 != 7 for i in range(512)]))

@@ -281,13 +281,43 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: 
 
 
 FINETUNE_SCOPES = ("model", "encoder")
+# the student's forward and backward: fp32, or bf16 autocast (matmuls in bfloat16, weights, optimizer
+# and losses fp32): 2.3x faster a step on this CPU (AVX512-BF16), the usual mixed precision on a GPU
+FINETUNE_PRECISIONS = ("fp32", "bf16")
+
+
+class TeacherCache:
+    """The teacher's encoder output and logits of each image, computed the first time a batch holds
+    it and reused after: every image comes back ``steps * batch / len(images)`` times, and the
+    teacher's half of a step (its encoder and decoder forward, ~1 s of 3 on 2 cores) is the same
+    each time. A row's logits are kept at its own length (the padded tail is never read)."""
+
+    def __init__(self, teacher) -> None:
+        self.teacher = teacher
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def batch(self, idx: Sequence[int], images: torch.Tensor, inp: torch.Tensor,
+              lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        missing = [r for r, i in enumerate(idx) if i not in self.rows]
+        if missing:
+            rows = torch.tensor(missing)
+            mem = self.teacher.encode(images[[idx[r] for r in missing]])
+            logits = self.teacher.decode_logits(inp[rows], mem).float()
+            for k, r in enumerate(missing):
+                self.rows[idx[r]] = (mem[k].clone(), logits[k, :lengths[r]].clone())
+        mems = torch.stack([self.rows[i][0] for i in idx])
+        out = torch.zeros(len(idx), inp.shape[1], self.rows[idx[0]][1].shape[-1])
+        for r, i in enumerate(idx):
+            out[r, :lengths[r]] = self.rows[i][1]
+        return mems, out
 
 
 def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps: int, minutes: float,
              lr: float = 5e-5, batch_size: int = 4, label_weight: float = 1.0, logit_weight: float = 1.0,
              memory_weight: float = 1.0, seed: int = 0, progress: bool = False,
              state_file: Path | None = None, save_every: int = 10, scope: str = "model",
-             targets: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
+             targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32") -> dict[str, float]:
     """A bounded number of AdamW steps, dropout off; ``scope``: every weight of the pruned model
     trains (``model``), or the encoder's alone (``encoder``: the decoder stays the original's, so the
     pruned encoder learns to feed it what the original's did). ``targets``: token ids (BOS ... EOS)
@@ -298,7 +328,10 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     and when the time bound ends the run; a later call with the same file, the same starting model
     and the same arguments continues where it stopped (the batch order depends on the step only),
     giving the weights an uninterrupted run would. The file holds tensors and numbers only and is
-    read with ``weights_only=True``."""
+    read with ``weights_only=True``.
+
+    The teacher's outputs are computed once an image (:class:`TeacherCache`); ``precision``
+    (:data:`FINETUNE_PRECISIONS`): the student's forward and backward in fp32 or under bf16 autocast."""
     if steps <= 0 or minutes <= 0 or len(images) == 0:
         return {"steps": 0, "seconds": 0.0}
     model = student.model
@@ -306,6 +339,10 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     model.eval()  # no dropout: the short run should be deterministic and not noisier than it must be
     if scope not in FINETUNE_SCOPES:
         raise ValueError(f"finetune scope must be one of {', '.join(FINETUNE_SCOPES)}, got {scope!r}")
+    if precision not in FINETUNE_PRECISIONS:
+        raise ValueError(f"finetune precision must be one of {', '.join(FINETUNE_PRECISIONS)}, got {precision!r}")
+    cache = TeacherCache(teacher)
+    device_type = next(model.parameters()).device.type
     params = list(model.parameters())
     if scope == "encoder":
         decoder = {id(p) for p in student.decoder_parameters()}
@@ -330,12 +367,12 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
             x = images[idx]
             inp, tgt = label_batch(student, [latex[i] for i in idx]) if targets is None \
                 else id_batch(student, [targets[i] for i in idx])
-            with torch.no_grad():
-                t_mem = teacher.encode(x)
-                t_logits = teacher.decode_logits(inp, t_mem).float()
-            mem = student.encode(x)
-            logits = student.decode_logits(inp, mem).float()
             mask = tgt.ne(student.pad_id)
+            t_mem, t_logits = cache.batch(idx, images, inp, mask.sum(1).tolist())
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                mem = student.encode(x)
+                logits = student.decode_logits(inp, mem)
+            mem, logits = mem.float(), logits.float()
             ce = F.cross_entropy(logits[mask], tgt[mask]) if label_weight else logits.new_zeros(())
             kl = F.kl_div(F.log_softmax(logits[mask], -1), F.log_softmax(t_logits[mask], -1),
                           log_target=True, reduction="batchmean")

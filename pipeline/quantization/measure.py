@@ -72,6 +72,42 @@ def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, ima
     return Reading(result.token_ids, result.texts, exact, corpus_cer(result.texts, list(truths)), result.steps)
 
 
+def loss_against(reading: Reading, reference: Reading) -> float:
+    """Exact-match loss of ``reading`` against ``reference`` on the rows ``reading`` holds (the first
+    ``len(reading.exact)`` of the reference's: a reading stopped early by :func:`read_or_reject`)."""
+    n = len(reading.exact)
+    return float(np.mean(reference.exact[:n])) - reading.exact_match if n else 0.0
+
+
+def read_or_reject(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, images: np.ndarray,
+                   truths: Sequence[str], max_length: int, batch_size: int, reference: Reading, budget: float,
+                   chunk: int, z: float = 3.0) -> Reading:
+    """:func:`read` in chunks of ``chunk`` formulas (a multiple of the batch times the session sets, so
+    every batch is the one a whole reading decodes), stopping once the candidate is clearly over the
+    exact-match loss ``budget`` against ``reference`` (the same rows): its loss minus ``z`` paired
+    standard errors above the budget. A candidate within the budget, or near it, is read whole, so
+    the search's decision is the one the whole set gives wherever it could go either way; a clearly
+    bad plan (tens of points lost) stops after the first chunk. The returned reading holds the rows
+    read (``len(reading.exact)``)."""
+    n = len(images)
+    if chunk <= 0 or chunk >= n:
+        return read(package, encoder, images, truths, max_length, batch_size)
+    parts: list[Reading] = []
+    for start in range(0, n, chunk):
+        parts.append(read(package, encoder, images[start:start + chunk], truths[start:start + chunk], max_length,
+                          batch_size))
+        r = _joined(parts, truths)
+        if len(r.exact) < n and loss_against(r, reference) - z * r.paired(reference)["loss_se"] > budget:
+            break
+    return r
+
+
+def _joined(parts: Sequence[Reading], truths: Sequence[str]) -> Reading:
+    texts = [t for p in parts for t in p.texts]
+    return Reading([t for p in parts for t in p.token_ids], texts, [e for p in parts for e in p.exact],
+                   corpus_cer(texts, list(truths[:len(texts)])), [s for p in parts for s in p.steps])
+
+
 def encoder_outputs(package: OnnxPackage, encoder: Path, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
     package.use_graph("encoder", encoder)
     return np.concatenate([package.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])

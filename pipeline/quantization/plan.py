@@ -173,7 +173,10 @@ def _qat(value: Any, path: Path) -> dict[str, Any] | None:
         raise PipelineError(f"quantize.plan: {path}: 'qat' must be null or {{steps, lr, images}}, got {value!r}") from None
     if steps < 1 or not lr > 0 or images < 1:
         raise PipelineError(f"quantize.plan: {path}: 'qat' needs steps >= 1, lr > 0, images >= 1, got {value!r}")
-    return {"steps": steps, "lr": lr, "images": images}
+    precision = value.get("precision", "fp32")  # plans from before the option trained in fp32
+    if precision not in ("fp32", "bf16"):
+        raise PipelineError(f"quantize.plan: {path}: 'qat.precision' must be fp32 or bf16, got {precision!r}")
+    return {"steps": steps, "lr": lr, "images": images, **({"precision": precision} if precision != "fp32" else {})}
 
 
 def qat_of(path: str | Path) -> dict[str, Any] | None:

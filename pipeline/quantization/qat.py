@@ -104,7 +104,7 @@ def fake_quantize(model: nn.Module, linear: set[str], calib: torch.Tensor, encod
 def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: int, lr: float = 2e-5,
                    batch_size: int = 4, minutes: float = 60.0, percentile: float = 99.99, seed: int = 0,
                    max_length: int = 256, read_batch: int = 8, progress: bool = False,
-                   targets: Sequence[Sequence[int]] | None = None) -> tuple[object, dict]:
+                   targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32") -> tuple[object, dict]:
     """A copy of ``adapter`` whose encoder was finetuned ``steps`` steps with INT8 fake quantizers
     (ranges from ``calib``) on ``images``, against ``adapter`` in float; the quantizers removed.
     ``targets``: the float model's greedy readings of ``images`` (read here when not given)."""
@@ -119,13 +119,15 @@ def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: in
     student.model = copy.deepcopy(teacher.model)
     quantized = fake_quantize(student.model, encoder_linears(teacher), calib, student.encode, percentile)
     log = recover.finetune(student, teacher, images, [""] * len(images), steps=steps, minutes=minutes, lr=lr,
-                           batch_size=batch_size, scope="encoder", targets=targets, seed=seed, progress=progress)
+                           batch_size=batch_size, scope="encoder", targets=targets, seed=seed, progress=progress,
+                           precision=precision)
     out = copy.copy(teacher)
     out.model = copy.deepcopy(teacher.model)
     out.model.load_state_dict({k: v for k, v in student.model.state_dict().items() if "_quantizer" not in k},
                               strict=True)
     out.model.eval()
     report = {"steps": int(log.get("steps", 0)), "planned_steps": steps, "lr": lr, "batch_size": batch_size,
+              "precision": precision,
               "images": len(images), "percentile": percentile, "quantized_modules": len(quantized),
               "first_loss": log.get("first_loss"), "last_loss": log.get("last_loss"),
               "teacher_readings_seconds": round(read_s, 1), "seconds": round(time.perf_counter() - started, 1)}

@@ -34,13 +34,14 @@ from tqdm import tqdm
 
 from calibration import sensitivity
 from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set
+from pipeline import readings
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError, optional_part
 from pipeline.quantization import anchors, qdq
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.groups import find_groups
-from pipeline.quantization.measure import Reading, encoder_outputs, latency, read
+from pipeline.quantization.measure import Reading, encoder_outputs, latency, loss_against, read, read_or_reject
 from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan, qat_of as plan_qat, \
     smoothquant_of as plan_smoothquant
 from pipeline.quantization.graphs import FloatGraphs, float_graphs
@@ -73,6 +74,10 @@ class QuantizeConfig:
     # the check would read the formulas the plan was chosen on. The ranges, the sensitivity images
     # and the decoder's records stay calibration rows
     search_split: Optional[str] = None
+    # a search reading stops once its candidate is clearly over the budget (loss minus 3 paired standard
+    # errors above it), checked after every this many formulas; candidates within or near the budget are
+    # read whole, so the decision is the whole set's where it could go either way. 0 = read every one whole
+    search_chunk: int = 128
     sensitivity_images: int = 8       # rows whose encoder output scores each group
     metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
@@ -107,6 +112,7 @@ class QuantizeConfig:
     qat_lr: float = 2e-5
     qat_images: int = 512             # calibration-set rows (from row 0) it trains on
     qat_minutes: float = 60.0         # wall-clock bound on the steps
+    qat_precision: str = "fp32"       # fp32 | bf16: the student's forward and backward under bf16 autocast (2.1x a step here)
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: on. Its plan check reads the first original_search_images rows of the search set
@@ -119,6 +125,8 @@ Config = QuantizeConfig
 
 
 def _validate(cfg: QuantizeConfig) -> None:
+    if cfg.search_chunk < 0:
+        raise PipelineError(f"quantize.search_chunk must be >= 0 (0: read every candidate whole), got {cfg.search_chunk}")
     for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images",
                 "decoder_search_images", "workers", "original_search_images"):
         if getattr(cfg, key) < 1:
@@ -126,6 +134,8 @@ def _validate(cfg: QuantizeConfig) -> None:
     if cfg.qat_steps < 0 or cfg.qat_images < 1 or not cfg.qat_lr > 0 or not cfg.qat_minutes > 0:
         raise PipelineError(f"quantize.qat_steps must be >= 0, qat_images >= 1, qat_lr and qat_minutes > 0; got "
                             f"{cfg.qat_steps}, {cfg.qat_images}, {cfg.qat_lr}, {cfg.qat_minutes}")
+    if cfg.qat_precision not in ("fp32", "bf16"):
+        raise PipelineError(f"quantize.qat_precision must be fp32 or bf16, got {cfg.qat_precision!r}")
     if not 0.0 <= cfg.budget < 1.0:
         raise PipelineError(f"quantize.budget must be in [0, 1) (a share of exact match), got {cfg.budget}")
     unknown = [m for m in cfg.methods if m not in METHODS]
@@ -240,14 +250,15 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
         adapter, smoothing, rows_hash = _smoothed(adapter, calib_set, cfg.calib_images, alpha)
         graph_key += f":smoothquant={alpha}:{rows_hash}"
     qat_cfg = plan_qat(cfg.plan) if cfg.plan else (
-        {"steps": cfg.qat_steps, "lr": cfg.qat_lr, "images": cfg.qat_images} if cfg.qat_steps else None)
+        {"steps": cfg.qat_steps, "lr": cfg.qat_lr, "images": cfg.qat_images,
+         **({"precision": cfg.qat_precision} if cfg.qat_precision != "fp32" else {})} if cfg.qat_steps else None)
     qat_report: dict = {}
     reference = None  # the float model's graphs when the quantized ones are made from finetuned weights
     if qat_cfg:
         (scratch / "reference").mkdir()
         reference = float_graphs(adapter, scratch / "reference", max_length, graph_key, threads=int(mcfg.threads or 0))
         with optional_part("quantize's quantization-aware finetune", "quantize.qat_steps=0"):
-            adapter, qat_report, rows_hash = _qat(adapter, calib_set, cfg, qat_cfg, ctx, reference)
+            adapter, qat_report, rows_hash = _qat(adapter, calib_set, cfg, qat_cfg, ctx, reference, graph_key)
         graph_key += f":qat={json.dumps(qat_cfg, sort_keys=True)}:{rows_hash}"
     graphs: FloatGraphs = float_graphs(adapter, scratch, max_length, graph_key, threads=int(mcfg.threads or 0))
     reference = reference or graphs
@@ -325,6 +336,7 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
     # 3. the plan: given, or searched
     search_started = time.perf_counter()
+    chunk = _chunk(cfg, batch)
     trace: list[dict] = []
     std_readings: dict[int, Reading] = {}  # groups returned to float -> the search set's reading
     if given:
@@ -349,12 +361,12 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
 
         def loss_with_float(k: int) -> float:
             names = [g for g in by_name if g not in set(order[:k])]
-            r = read(readers, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
-                     search_images, search_truths, max_length, batch)
+            r = read_or_reject(readers, build(graphs.encoder_std, cache, chosen, names, scratch / "plan.onnx"),
+                               search_images, search_truths, max_length, batch, float_reading, cfg.budget, chunk)
             std_readings[k] = r
-            loss = float_reading.exact_match - r.exact_match
+            loss = loss_against(r, float_reading)
             trace.append({"float_groups": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
-                          "cer": r.cer, "loss": loss, **r.paired(float_reading),
+                          "cer": r.cer, "loss": loss, "n": len(r.exact), **r.paired(float_reading),
                           "int8_mac_share": _mac_share(by_name, names)})
             return loss
 
@@ -389,11 +401,13 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
             else:
                 qdq.quantize(graphs.encoder_ort, scratch / "plan.ort.onnx", ort_caches[chosen], chosen,
                              [ort_groups[n].node for n in names], acts)
-                r = read(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length, batch)
+                r = read_or_reject(readers, scratch / "plan.ort.onnx", search_images, search_truths, max_length,
+                                   batch, float_reading, cfg.budget, chunk)
             ort_readings[k] = r
-            loss = float_reading.exact_match - r.exact_match
+            loss = loss_against(r, float_reading)
             ort_trace.append({"float_groups": k, "returned": ort_order[k - 1] if k else None,
-                              "exact_match": r.exact_match, "cer": r.cer, "loss": loss, **r.paired(float_reading),
+                              "exact_match": r.exact_match, "cer": r.cer, "loss": loss, "n": len(r.exact),
+                              **r.paired(float_reading),
                               "int8_mac_share": _mac_share(by_name, names)})
             return loss
 
@@ -537,7 +551,8 @@ def _smoothed(adapter, calib_set, rows: int, alpha: float):
     return smoothed, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
 
-def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageContext, reference: FloatGraphs):
+def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageContext, reference: FloatGraphs,
+         model_key: str):
     """A copy of ``adapter`` whose encoder learnt to tolerate INT8 (:mod:`pipeline.quantization.qat`),
     its report, and a fingerprint of the rows it saw (the graphs' cache key). The fake quantizers'
     ranges: the 99.99th percentile (the stage's default method) over the first ``calib_images`` rows;
@@ -556,17 +571,17 @@ def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageConte
         log.warning(f"[quantize] qat_images={qat_cfg['images']}: the calibration set holds {len(calib_set)} rows; "
                     f"the finetune trains on those {len(calib_set)}")
     images = calib_images(calib_set, 0, min(int(qat_cfg["images"]), len(calib_set)))
-    log.info(f"[quantize] QAT: the float package's greedy readings of {len(images)} images (the finetune's targets)")
-    started = time.perf_counter()
-    reading = read(reference.open_readers(int(mcfg.threads or 0), cfg.workers), None, images, [""] * len(images),
-                   int(mcfg.max_length), int(mcfg.batch_size))
-    read_s = time.perf_counter() - started
+    ids, how = readings.greedy_readings(ctx, adapter, model_key, images, "onnxruntime", cfg.workers,
+                                        "QAT's targets (the float package's readings)",
+                                        packages=reference.open_readers(int(mcfg.threads or 0), cfg.workers))
+    read_s = how["seconds"]
     ranges = torch.from_numpy(images[:cfg.calib_images])
     finetuned, report = qat.finetuned_copy(
         adapter, ranges, torch.from_numpy(images), steps=int(qat_cfg["steps"]), lr=float(qat_cfg["lr"]),
         minutes=cfg.qat_minutes, seed=ctx.seed, max_length=int(mcfg.max_length), read_batch=int(mcfg.batch_size),
-        progress=ctx.progress, targets=[[adapter.bos_id, *ids] for ids in reading.token_ids])
-    report.update(teacher_readings="float ONNX Runtime package", teacher_readings_seconds=round(read_s, 1),
+        progress=ctx.progress, targets=readings.with_bos(adapter, ids), precision=qat_cfg.get("precision", "fp32"))
+    report.update(teacher_readings="float ONNX Runtime package" + (" (cached)" if how["cached"] else ""),
+                  teacher_readings_seconds=round(read_s, 1),
                   seconds=round(report["seconds"] + read_s, 1))
     return finetuned, report, hashlib.sha256(images.tobytes()).hexdigest()[:16]
 
@@ -594,14 +609,17 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.same_plan(step_nodes, first_nodes, int8_step))
         return out
 
-    def reading(decoders: dict[str, Path]) -> Reading:
-        return read(graphs.open_readers(threads, cfg.workers, decoders), folder / QDQ_ENCODER_ORT, images, truths,
-                    max_length, batch)
+    def reading(decoders: dict[str, Path], against: Optional[Reading] = None) -> Reading:
+        readers = graphs.open_readers(threads, cfg.workers, decoders)
+        if against is None:
+            return read(readers, folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+        return read_or_reject(readers, folder / QDQ_ENCODER_ORT, images, truths, max_length, batch, against,
+                              cfg.budget, _chunk(cfg, batch))
 
     if base is None:
         base = read(graphs.open_readers(threads, cfg.workers), folder / QDQ_ENCODER_ORT, images, truths, max_length,
                     batch)
-    readings: dict[tuple, Reading] = {}  # INT8 nodes -> reading
+    by_plan: dict[tuple, Reading] = {}  # INT8 nodes -> reading
     trace: list[dict] = []
     sens: list[dict] = []
     if given is not None:
@@ -627,16 +645,17 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
 
         def loss_with_float(k: int) -> float:
             int8_now = order[k:]
-            r = readings[tuple(int8_now)] = reading(made(int8_now, "search"))
-            loss = base.exact_match - r.exact_match
+            r = by_plan[tuple(int8_now)] = reading(made(int8_now, "search"), base)
+            loss = loss_against(r, base)
             trace.append({"float_nodes": k, "returned": order[k - 1] if k else None, "exact_match": r.exact_match,
-                          "cer": r.cer, "loss": loss, "identical": r.identical_to(base), **r.paired(base)})
+                          "cer": r.cer, "loss": loss, "n": len(r.exact), "identical": r.identical_to(base),
+                          **r.paired(base)})
             return loss
 
         k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
         int8 = order[k:]
     final = made(int8, "final")
-    r = readings.get(tuple(int8)) or reading(final)  # the search read this very plan already
+    r = by_plan.get(tuple(int8)) or reading(final)  # the search read this very plan already
     plan.decoder = "int8" if int8 else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
     if int8:
@@ -667,6 +686,13 @@ def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> 
         return hi
     finally:
         bar.close()
+
+
+def _chunk(cfg: QuantizeConfig, batch: int) -> int:
+    """Formulas a search reading takes at a time before it may stop (a whole number of batches for
+    every session set, so each batch is the one a whole reading decodes); 0: read every candidate whole."""
+    step = batch * max(1, cfg.workers)
+    return -(-cfg.search_chunk // step) * step if cfg.search_chunk else 0
 
 
 def _mac_share(by_name, names) -> float:
