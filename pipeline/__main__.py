@@ -81,6 +81,9 @@ def check_config(cfg: DictConfig) -> None:
     from pipeline.stages import STAGES, check_data_group
 
     OmegaConf.to_object(cfg.model)  # ModelConfig.__post_init__: also on multirun jobs
+    from pipeline import device
+
+    device.check(str(cfg.model.device))  # model.device=cuda without CUDA: one line, before any work
     for spec in STAGES.values():
         section = cfg.get(spec.config_key) if spec.config_key else None
         if section is not None and "name" in section:

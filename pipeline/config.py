@@ -6,6 +6,7 @@ with the key's name. Defaults live in the dataclasses; ``conf/`` selects groups.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Dict, List, Optional
 
@@ -35,6 +36,9 @@ class ModelConfig:
     layout_run_cap: int = 8
     batch_size: int = 16              # images per decode batch
     threads: int = 0                  # torch intra-op threads; 0 = torch's default
+    # where torch computes (training, torch readings): auto = CUDA when torch sees it, else cpu | cpu |
+    # cuda | cuda:N (pipeline/device.py); ONNX export and ONNX Runtime are not moved by it
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         # the model's own ceiling (its position table) is checked when the model is loaded
@@ -42,6 +46,8 @@ class ModelConfig:
         check_range("model.layout_run_cap", self.layout_run_cap, 0, why="0 = no cap")
         check_range("model.batch_size", self.batch_size, 1)
         check_range("model.threads", self.threads, 0, why="0 = torch's default")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"model.device={self.device!r}: must be auto, cpu, cuda or cuda:N")
 
 
 @dataclass

@@ -214,6 +214,13 @@ class StageContext:
         adapter.layout_run_cap = int(self.cfg.model.layout_run_cap)
         return adapter
 
+    @property
+    def device(self):
+        """The ``torch.device`` of ``model.device`` (pipeline/device.py): where torch stages compute."""
+        from pipeline.device import resolve
+
+        return resolve(str(self.cfg.model.device))
+
     def decoding_key(self) -> dict:
         """What of greedy decoding, besides ``max_length``, an artifact that decodes depends on: the
         layout-run cap when on ({} when off, so artifacts from before the cap keep their keys)."""

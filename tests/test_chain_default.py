@@ -94,10 +94,11 @@ def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_t
     assert pooled["encoder_key_pools"][0] == chain["prune.key_pool"]  # layer 0's keys pooled
     summary = (root / "summary.md").read_text()
     assert "deployable" in summary and "float-original" in summary
+    for key, folder in (("export.chain_baseline", "export-ort_cpu-float-chain"),
+                        ("quantize.original", "export-ort_cpu-int8-original")):
+        assert (root / folder).is_dir() == bool(chain.get(key, True)), folder  # comparisons made as set
     for stage in ("corpus", "prune", "tokenizer", "calibrate", "quantize", "export", "benchmark", "total"):
         assert f"| {stage} |" in summary, stage
-    if chain.get("quantize.original"):
-        assert (root / "export-ort_cpu-int8-original" / "package.json").is_file()
 
 
 def test_a_late_failure_in_stage_all_names_the_stage_and_the_setting_that_turns_its_part_off(tmp_path, monkeypatch):

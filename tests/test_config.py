@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose_cfg, run_cli
+from conftest import compose_cfg, make_ctx, run_cli
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -163,3 +163,21 @@ def test_a_non_editable_install_finds_its_conf(tmp_path):
                            f"artifacts.dir={tmp_path / 'a'}"], cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(target)}, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: config: model.batch_size=0: must be >= 1"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid")
+def test_model_device_cuda_without_cuda_is_one_error_line_and_auto_is_the_cpu(tmp_path):
+    import torch
+
+    from pipeline.device import placed
+
+    for setting, says in (("cuda", "model.device=cuda: torch "), ("cuda:1", "model.device=cuda:1: torch "),
+                          ("tpu", "model.device='tpu': must be auto, cpu, cuda or cuda:N")):
+        proc = run_cli("stage=all", f"model.device={setting}", f"artifacts.dir={tmp_path / 'a'}")
+        assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: config: {says}"), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "a" / "prune").exists()
+    assert make_ctx(tmp_path).device == torch.device("cpu")  # auto, with no CUDA: the CPU
+    model = torch.nn.Linear(2, 2)
+    holder = type("A", (), {"model": model})()
+    with placed(torch.device("cpu"), holder):
+        assert model.weight.device.type == "cpu"

@@ -134,6 +134,11 @@ class ModelAdapter(abc.ABC):
         raise PipelineError(f"model family {self.family!r} does not say which parameters read the encoder output")
 
     # ---- compute ------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights are (inputs are moved there: pipeline/device.py places models)."""
+        return next((p.device for p in self.model.parameters()), torch.device("cpu"))
+
     @abc.abstractmethod
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [B, C, H, W] -> encoder memory [B, N, D]."""
@@ -190,15 +195,16 @@ class ModelAdapter(abc.ABC):
         steps: list[int] = []
         capped: list[bool] = []
         enc_s = dec_s = 0.0
-        banned = torch.tensor(self.banned_token_ids(), dtype=torch.long)
+        dev = self.device
+        banned = torch.tensor(self.banned_token_ids(), dtype=torch.long, device=dev)
         guard = self.layout_guard()
         for start in range(0, images.shape[0], batch_size):
             batch = images[start:start + batch_size]
             t0 = time.perf_counter()
-            memory = batch.float() if encoded else self.encode(batch)
+            memory = batch.float().to(dev) if encoded else self.encode(batch)
             t1 = time.perf_counter()
             n = batch.shape[0]
-            seqs = torch.full((n, 1), self.bos_id, dtype=torch.long)
+            seqs = torch.full((n, 1), self.bos_id, dtype=torch.long, device=dev)
             out: list[list[int] | None] = [None] * n
             active = torch.arange(n)
             texts = [""] * n  # each row's reading so far (the layout guard's view)
@@ -213,14 +219,15 @@ class ModelAdapter(abc.ABC):
                 logits[:, banned] = float("-inf")
                 nxt = logits.argmax(-1)
                 if guard is not None:
-                    nxt = torch.tensor(guard.step(logits.numpy(), nxt.tolist(), texts), dtype=torch.long)
+                    nxt = torch.tensor(guard.step(logits.cpu().numpy(), nxt.tolist(), texts), dtype=torch.long,
+                                       device=dev)
                 seqs = torch.cat([seqs, nxt[:, None]], dim=1)
                 done = nxt.eq(self.eos_id)
                 if done.any():
                     for row in torch.nonzero(done).flatten().tolist():
                         out[int(active[row])] = seqs[row, 1:].tolist()
                     keep = ~done
-                    seqs, memory, active = seqs[keep], memory[keep], active[keep]
+                    seqs, memory, active = seqs[keep], memory[keep], active[keep.cpu()]
                     texts = [t for t, k in zip(texts, keep.tolist()) if k]
                     past = [t[keep] for t in past]
                     cross = [t[keep] for t in cross]

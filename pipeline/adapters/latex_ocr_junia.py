@@ -272,10 +272,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model.encode(images)
+        return self.model.encode(images.to(self.device))
 
     def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        return self.model.decode(tokens, memory)
+        return self.model.decode(tokens.to(self.device), memory.to(self.device))
 
     def cached_decoder(self):
         from pipeline.adapters.kv_cache import CachedDecoder

@@ -98,14 +98,17 @@ def package_files(folder: Path) -> list[Path]:
 
 
 def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, family: str, use_cache: bool,
-                  trust_checkpoint: bool = False) -> Variant:
+                  trust_checkpoint: bool = False, device=None) -> Variant:
+    """The torch model as a variant; ``device`` (model.device): where its readings run (None: where it is)."""
     import torch
 
     if use_cache and adapter.cached_decoder() is None:
         raise PipelineError(f"model family {family!r} has no KV-cached decoder")
 
     def decode(images: np.ndarray, max_length: int, batch_size: int) -> DecodeResult:
-        with torch.inference_mode():
+        from pipeline.device import placed
+
+        with torch.inference_mode(), placed(device if device is not None else adapter.device, adapter):
             return adapter.generate(torch.from_numpy(images), max_length=max_length, batch_size=batch_size,
                                     use_cache=use_cache)
 

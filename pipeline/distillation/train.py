@@ -146,7 +146,7 @@ def train_decoder(student, memory: torch.Tensor, targets: Sequence[Sequence[int]
                 break
             t0 = time.perf_counter()
             idx = batch_indices(len(targets), s.batch, step, s.seed)
-            seq = pad_batch([targets[i] for i in idx], student.pad_id)
+            seq = pad_batch([targets[i] for i in idx], student.pad_id).to(student.device)
             for group in opt.param_groups:
                 group["lr"] = learning_rate(s, step) * group["scale"]
             model.train()

@@ -281,8 +281,9 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: 
 
 
 FINETUNE_SCOPES = ("model", "encoder")
-# the student's forward and backward: fp32, or bf16 autocast (matmuls in bfloat16, weights, optimizer
-# and losses fp32): 2.3x faster a step on this CPU (AVX512-BF16), the usual mixed precision on a GPU
+# the forward passes (the teacher's and the student's) and the student's backward: fp32, or under bf16
+# autocast (matmuls in bfloat16; weights, optimizer, losses and the kept teacher outputs fp32): 2.3x
+# faster on this CPU (AVX512-BF16), the usual mixed precision on a GPU
 FINETUNE_PRECISIONS = ("fp32", "bf16")
 
 
@@ -292,8 +293,9 @@ class TeacherCache:
     teacher's half of a step (its encoder and decoder forward, ~1 s of 3 on 2 cores) is the same
     each time. A row's logits are kept at its own length (the padded tail is never read)."""
 
-    def __init__(self, teacher) -> None:
+    def __init__(self, teacher, bf16: bool = False) -> None:
         self.teacher = teacher
+        self.bf16 = bf16  # the teacher's forward under bf16 autocast too (outputs kept in fp32)
         self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.no_grad()
@@ -301,13 +303,15 @@ class TeacherCache:
               lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         missing = [r for r, i in enumerate(idx) if i not in self.rows]
         if missing:
-            rows = torch.tensor(missing)
-            mem = self.teacher.encode(images[[idx[r] for r in missing]])
-            logits = self.teacher.decode_logits(inp[rows], mem).float()
+            rows = torch.tensor(missing, device=inp.device)
+            with torch.autocast(inp.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                mem = self.teacher.encode(images[[idx[r] for r in missing]])
+                logits = self.teacher.decode_logits(inp[rows], mem)
+            mem, logits = mem.float(), logits.float()
             for k, r in enumerate(missing):
                 self.rows[idx[r]] = (mem[k].clone(), logits[k, :lengths[r]].clone())
         mems = torch.stack([self.rows[i][0] for i in idx])
-        out = torch.zeros(len(idx), inp.shape[1], self.rows[idx[0]][1].shape[-1])
+        out = mems.new_zeros(len(idx), inp.shape[1], self.rows[idx[0]][1].shape[-1])
         for r, i in enumerate(idx):
             out[r, :lengths[r]] = self.rows[i][1]
         return mems, out
@@ -317,7 +321,8 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
              lr: float = 5e-5, batch_size: int = 4, label_weight: float = 1.0, logit_weight: float = 1.0,
              memory_weight: float = 1.0, seed: int = 0, progress: bool = False,
              state_file: Path | None = None, save_every: int = 10, scope: str = "model",
-             targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32") -> dict[str, float]:
+             targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32",
+             device=None) -> dict[str, float]:
     """A bounded number of AdamW steps, dropout off; ``scope``: every weight of the pruned model
     trains (``model``), or the encoder's alone (``encoder``: the decoder stays the original's, so the
     pruned encoder learns to feed it what the original's did). ``targets``: token ids (BOS ... EOS)
@@ -331,7 +336,21 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     read with ``weights_only=True``.
 
     The teacher's outputs are computed once an image (:class:`TeacherCache`); ``precision``
-    (:data:`FINETUNE_PRECISIONS`): the student's forward and backward in fp32 or under bf16 autocast."""
+    (:data:`FINETUNE_PRECISIONS`): the forward passes and the student's backward in fp32 or under bf16
+    autocast.
+    ``device``: where the steps run (both models are placed there for the loop and put back after)."""
+    if device is None:
+        return _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, label_weight, logit_weight,
+                         memory_weight, seed, progress, state_file, save_every, scope, targets, precision)
+    from pipeline.device import placed
+
+    with placed(device, student, teacher):
+        return _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, label_weight, logit_weight,
+                         memory_weight, seed, progress, state_file, save_every, scope, targets, precision)
+
+
+def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, label_weight, logit_weight,
+              memory_weight, seed, progress, state_file, save_every, scope, targets, precision) -> dict[str, float]:
     if steps <= 0 or minutes <= 0 or len(images) == 0:
         return {"steps": 0, "seconds": 0.0}
     model = student.model
@@ -341,8 +360,8 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
         raise ValueError(f"finetune scope must be one of {', '.join(FINETUNE_SCOPES)}, got {scope!r}")
     if precision not in FINETUNE_PRECISIONS:
         raise ValueError(f"finetune precision must be one of {', '.join(FINETUNE_PRECISIONS)}, got {precision!r}")
-    cache = TeacherCache(teacher)
-    device_type = next(model.parameters()).device.type
+    cache = TeacherCache(teacher, bf16=precision == "bf16")
+    device = next(model.parameters()).device
     params = list(model.parameters())
     if scope == "encoder":
         decoder = {id(p) for p in student.decoder_parameters()}
@@ -353,7 +372,7 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
     t0 = time.perf_counter()
     done, first, last, resumed = 0, None, None, 0
     if state_file is not None and Path(state_file).is_file():
-        saved = torch.load(state_file, weights_only=True)
+        saved = torch.load(state_file, weights_only=True, map_location=device)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         done = resumed = int(saved["step"])
@@ -367,9 +386,10 @@ def finetune(student, teacher, images: torch.Tensor, latex: Sequence[str], steps
             x = images[idx]
             inp, tgt = label_batch(student, [latex[i] for i in idx]) if targets is None \
                 else id_batch(student, [targets[i] for i in idx])
+            inp, tgt = inp.to(device), tgt.to(device)
             mask = tgt.ne(student.pad_id)
             t_mem, t_logits = cache.batch(idx, images, inp, mask.sum(1).tolist())
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 mem = student.encode(x)
                 logits = student.decode_logits(inp, mem)
             mem, logits = mem.float(), logits.float()

@@ -104,7 +104,8 @@ def fake_quantize(model: nn.Module, linear: set[str], calib: torch.Tensor, encod
 def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: int, lr: float = 2e-5,
                    batch_size: int = 4, minutes: float = 60.0, percentile: float = 99.99, seed: int = 0,
                    max_length: int = 256, read_batch: int = 8, progress: bool = False,
-                   targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32") -> tuple[object, dict]:
+                   targets: Sequence[Sequence[int]] | None = None, precision: str = "fp32",
+                   device=None) -> tuple[object, dict]:
     """A copy of ``adapter`` whose encoder was finetuned ``steps`` steps with INT8 fake quantizers
     (ranges from ``calib``) on ``images``, against ``adapter`` in float; the quantizers removed.
     ``targets``: the float model's greedy readings of ``images`` (read here when not given)."""
@@ -120,7 +121,7 @@ def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: in
     quantized = fake_quantize(student.model, encoder_linears(teacher), calib, student.encode, percentile)
     log = recover.finetune(student, teacher, images, [""] * len(images), steps=steps, minutes=minutes, lr=lr,
                            batch_size=batch_size, scope="encoder", targets=targets, seed=seed, progress=progress,
-                           precision=precision)
+                           precision=precision, device=device)
     out = copy.copy(teacher)
     out.model = copy.deepcopy(teacher.model)
     out.model.load_state_dict({k: v for k, v in student.model.state_dict().items() if "_quantizer" not in k},

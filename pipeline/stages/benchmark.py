@@ -169,11 +169,11 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     model_folder = ctx.model_folder(cfg.model)
     source = "package" if model_folder is None else str(model_folder)
     shipped = torch_variant(f"torch {Path(cfg.model).name}", adapter, cfg.model, source, family, use_cache=False,
-                            trust_checkpoint=trust)
+                            trust_checkpoint=trust, device=ctx.device)
     variants: list[Variant] = [shipped]
     if adapter.cached_decoder() is not None:
         variants.append(torch_variant(f"torch {Path(cfg.model).name} + KV cache", adapter, cfg.model, source, family,
-                                      use_cache=True, trust_checkpoint=trust))
+                                      use_cache=True, trust_checkpoint=trust, device=ctx.device))
     else:
         notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
     variants += [package_variant(label, f, threads) for label, f in folders.items()]

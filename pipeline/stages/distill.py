@@ -35,6 +35,7 @@ from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.data.templates import templated_formulas, varied_formulas
+from pipeline.device import placed
 from pipeline.distillation.train import Schedule, train_decoder
 from pipeline.errors import PipelineError
 from pipeline.reports import markdown_table, savefig
@@ -178,8 +179,9 @@ def _teacher_readings(ctx: StageContext, teacher, model_hash: str, memory: torch
         if not out.reused:
             t0 = time.perf_counter()
             bar = tqdm(total=len(kept), desc="teacher readings", disable=not ctx.progress)
-            result = teacher.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True,
-                                      progress=bar.update)
+            with placed(ctx.device, teacher):
+                result = teacher.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True,
+                                          progress=bar.update)
             bar.close()
             (out.path / "readings.json").write_text(json.dumps(
                 {"texts": result.texts, "capped": [bool(c) for c in result.hit_cap]}, ensure_ascii=False))
@@ -262,9 +264,10 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
         resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
         evaluate = lambda: {k: v for k, v in _read(student, mem_eval, truths, max_length, batch_size).items()  # noqa: E731
                             if k != "texts"}
-        trained = train_decoder(student, mem_train, targets, schedule, evaluate, resume / "student.pt",
-                                ctx.progress)
-        final = _read(student, mem_eval, truths, max_length, batch_size)
+        with placed(ctx.device, student):  # model.device: the decoder trains and reads there
+            trained = train_decoder(student, mem_train, targets, schedule, evaluate, resume / "student.pt",
+                                    ctx.progress)
+            final = _read(student, mem_eval, truths, max_length, batch_size)
         student.save(out.path / "model")  # with the BPE tokenizer.json, byte for byte
 
         curve = trained["curve"]

@@ -17,6 +17,7 @@ from typing import List, Optional
 import numpy as np
 
 from pipeline import files
+from pipeline.device import placed
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import ImageError, PipelineError
@@ -152,9 +153,10 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
         per_split: dict[str, dict] = {}
         rows: list[dict] = []
         for key, (items, source) in loaded.items():
-            result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size),
-                                    image_match=cfg.image_match, progress=ctx.progress, use_cache=cfg.use_cache,
-                                    desc=f"decode {key}")
+            with placed(ctx.device, adapter):  # model.device: the torch reading runs there
+                result = evaluate_items(adapter, items, int(mcfg.max_length), int(mcfg.batch_size),
+                                        image_match=cfg.image_match, progress=ctx.progress, use_cache=cfg.use_cache,
+                                        desc=f"decode {key}")
             per_split[key] = {**result["metrics"], "source": source, "model": cfg.model}
             rows += [{"split": key, **r} for r in result["rows"]]
         first = next(iter(loaded))

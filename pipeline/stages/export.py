@@ -70,6 +70,8 @@ class ExportConfig:
                                          # original and the chain's model in float (export-ort_cpu-float-original,
                                          # -float-chain), the original with the chain's plan (-int8-original, from
                                          # quantize.original's artifact when it exists); stage=all: on
+    chain_baseline: bool = True          # with baselines: also the chain's model in float (-float-chain: what
+                                         # quantization alone changes); stage=all: off (a comparison), thorough: on
 
 
 Config = ExportConfig
@@ -179,7 +181,8 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
     origin = ctx.chain_origin(chain_model)  # the model prune started from: the shipped one by default
     made = {FLOAT_BASELINE: one(origin, "none", FLOAT_BASELINE)}
     if chain_model != origin:
-        made[FLOAT_CHAIN] = one(chain_model, "none", ctx.artifact_name(FLOAT_CHAIN, stage="export"))
+        if cfg.chain_baseline:
+            made[FLOAT_CHAIN] = one(chain_model, "none", ctx.artifact_name(FLOAT_CHAIN, stage="export"))
         # this job's own (a sweep job's name carries its tag): a shared one was made with another plan
         quantized = ctx.artifacts_dir / ctx.artifact_name(QUANTIZE_ORIGINAL, stage="quantize")
         if (quantized / "manifest.json").is_file():

@@ -32,6 +32,7 @@ from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
 from pipeline.evaluation import EvalItem, evaluate_items
 from pipeline import readings
+from pipeline.device import placed
 from pipeline.pruning import count, recover, scores as head_scores, select
 from pipeline.pruning.heads import projections
 from pipeline.reports import markdown_table, savefig
@@ -416,7 +417,7 @@ def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: Pru
             minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
             scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight, targets=tune_ids,
             seed=ctx.seed + r, progress=ctx.progress, state_file=resume / f"finetune-round{r}.pt",
-            precision=cfg.finetune_precision)
+            precision=cfg.finetune_precision, device=ctx.device)
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
     log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
@@ -462,8 +463,10 @@ def _measure(adapter, original, items: dict[str, list[EvalItem]], cfg: PruneConf
     mcfg = ctx.cfg.model
     splits = {}
     for split, split_items in items.items():
-        r = evaluate_items(adapter, split_items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
-                           progress=ctx.progress, desc=f"decode {desc} ({split})", use_cache=cfg.use_cache)["metrics"]
+        with placed(ctx.device, adapter):  # model.device: the torch reading runs there
+            r = evaluate_items(adapter, split_items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
+                               progress=ctx.progress, desc=f"decode {desc} ({split})",
+                               use_cache=cfg.use_cache)["metrics"]
         splits[split] = {"n": r["n"], "exact_match": r["exact_match"], "cer": r["cer"], "bleu": r["bleu"],
                          "hit_cap_share": r["hit_cap_share"]}
     first = next(iter(items.values()))

@@ -579,7 +579,8 @@ def _qat(adapter, calib_set, cfg: QuantizeConfig, qat_cfg: dict, ctx: StageConte
     finetuned, report = qat.finetuned_copy(
         adapter, ranges, torch.from_numpy(images), steps=int(qat_cfg["steps"]), lr=float(qat_cfg["lr"]),
         minutes=cfg.qat_minutes, seed=ctx.seed, max_length=int(mcfg.max_length), read_batch=int(mcfg.batch_size),
-        progress=ctx.progress, targets=readings.with_bos(adapter, ids), precision=qat_cfg.get("precision", "fp32"))
+        progress=ctx.progress, targets=readings.with_bos(adapter, ids), precision=qat_cfg.get("precision", "fp32"),
+        device=ctx.device)
     report.update(teacher_readings="float ONNX Runtime package" + (" (cached)" if how["cached"] else ""),
                   teacher_readings_seconds=round(read_s, 1),
                   seconds=round(report["seconds"] + read_s, 1))
