@@ -62,6 +62,10 @@ def test_variants_resolved_defaults_skipped_and_requested(tmp_path):
     found, notes = resolve_packages({"mine": str(tmp_path / "elsewhere")}, defaults, tmp_path)
     assert found == {"deployable": tmp_path / "export-ort_cpu", "mine": tmp_path / "elsewhere"}
     assert len(notes) == 1 and "export-ort_cpu-float-original" in notes[0] and "skipped" in notes[0]
+    # a comparison row stage=all leaves out says which setting makes it
+    _, notes = resolve_packages({}, {"int8-original": "export-ort_cpu-int8-original"}, tmp_path,
+                                {"int8-original": "quantize.original=true"})
+    assert "quantize.original=true" in notes[0] and "comparison" in notes[0]
     # a label the user names replaces the default of that label
     found, _ = resolve_packages({"deployable": str(tmp_path / "elsewhere")}, defaults, tmp_path)
     assert found == {"deployable": tmp_path / "elsewhere"}

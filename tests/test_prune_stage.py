@@ -275,3 +275,33 @@ def test_only_the_criteria_asked_for_are_computed_and_a_registered_one_can_be_ch
         assert "Spearman vs single-head ablation" in (tmp_path / "b" / "prune" / "report.md").read_text()
     finally:
         head_scores.CRITERIA.pop("last_layer_first", None)
+
+
+def test_the_teacher_cache_gives_the_teachers_own_outputs_for_any_batch_it_is_asked(tmp_path):
+    """Cached once an image, the teacher's encoder output and logits are what it computes for the
+    batch in hand (rows kept at their own length; the padded tail is zero and masked by the loss)."""
+    import torch
+
+    from pipeline.pruning.recover import TeacherCache
+    from pipeline.pruning.scores import id_batch
+    from tiny_model import build_tiny
+
+    teacher = build_tiny()
+    teacher.model.eval()
+    images = torch.rand(5, 1, 32, 64)
+    targets = [[teacher.bos_id, 5, 6, teacher.eos_id], [teacher.bos_id, 7, teacher.eos_id],
+               [teacher.bos_id, 8, 9, 10, 11, teacher.eos_id], [teacher.bos_id, 5, teacher.eos_id],
+               [teacher.bos_id, 6, 6, teacher.eos_id]]
+    cache = TeacherCache(teacher)
+    for idx in ([0, 1, 2], [2, 3, 4], [4, 0]):  # the second and third batches reuse rows of the earlier ones
+        inp, tgt = id_batch(teacher, [targets[i] for i in idx])
+        lengths = tgt.ne(teacher.pad_id).sum(1).tolist()
+        mem, logits = cache.batch(idx, images, inp, lengths)
+        with torch.no_grad():
+            want_mem = teacher.encode(images[idx])
+            want = teacher.decode_logits(inp, want_mem).float()
+        assert torch.allclose(mem, want_mem, atol=1e-5)
+        for r, n in enumerate(lengths):
+            assert torch.allclose(logits[r, :n], want[r, :n], atol=1e-4)
+            assert not logits[r, n:].any()
+    assert sorted(cache.rows) == [0, 1, 2, 3, 4]

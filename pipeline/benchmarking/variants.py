@@ -35,11 +35,12 @@ class Variant:
     package: Optional[OnnxPackage] = None
 
 
-def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: Path) -> tuple[dict[str, Path], list[str]]:
+def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: Path,
+                     comparisons: dict[str, str] | None = None) -> tuple[dict[str, Path], list[str]]:
     """Label -> package folder: every default that exists, then every requested one.
 
     A requested package that is missing is an error; a missing default is skipped and named in
-    the returned notes (one line each)."""
+    the returned notes (one line each; for a comparison row, with the setting that makes it)."""
     found: dict[str, Path] = {}
     notes = []
     for label, ref in defaults.items():
@@ -47,7 +48,9 @@ def resolve_packages(requested: dict[str, str], defaults: dict[str, str], root: 
             continue
         folder = package_path(ref, root)
         if folder is None:
-            notes.append(f"no package {ref!r} under {root}: variant '{label}' skipped")
+            how = (comparisons or {}).get(label)
+            notes.append(f"no package {ref!r} under {root}: variant '{label}' skipped"
+                         + (f" (a comparison row: {how} with stage=all, or preset=thorough, makes it)" if how else ""))
         else:
             found[label] = folder
     requested = expand_patterns(requested, root)

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original",
                     "float-chain": "export-ort_cpu-float-chain", "int8-original": "export-ort_cpu-int8-original"}
 SHARED_PACKAGES = ("float-original",)
+# the comparison rows stage=all leaves out, and what makes them (preset=thorough sets both)
+COMPARISONS = {"float-chain": "export.chain_baseline=true", "int8-original": "quantize.original=true"}
 
 
 @dataclass
@@ -127,7 +129,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     # no chain key, the shared ones
     defaults = {label: str(_default_folder(ctx, label, ref)) for label, ref in DEFAULT_PACKAGES.items()} \
         if cfg.default_packages else {}
-    folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir)
+    folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir, COMPARISONS)
     for note in notes:
         log.info(f"[benchmark] {note}")
     max_length = int(ctx.cfg.model.max_length)
