@@ -115,7 +115,8 @@ class QuantizeConfig:
     qat_precision: str = "fp32"       # fp32 | bf16: the student's forward and backward under bf16 autocast (2.1x a step here)
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
-    # stage=all: on. Its plan check reads the first original_search_images rows of the search set
+    # stage=all: off (a comparison; preset=thorough: on). Its plan check reads the first original_search_images
+    # rows of the search set
     original: bool = False
     original_search_images: int = 64
     name: Optional[str] = None        # artifact folder; default "quantize" (+ the job's tag in a multirun)
