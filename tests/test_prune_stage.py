@@ -124,6 +124,8 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     ("prune.finetune_varied=-2", "prune.refit_varied and prune.finetune_varied must be >= 0"),
     ("prune.finetune_scope=decoder", "prune.finetune_scope must be one of model, encoder"),
     ("prune.finetune_targets=ground", "prune.finetune_targets must be labels or teacher"),
+    ("prune.finetune_precision=fp16", "prune.finetune_precision must be one of fp32, bf16, got 'fp16'"),
+    ("prune.teacher_reader=tensorrt", "prune.teacher_reader must be one of onnxruntime, torch, got 'tensorrt'"),
     ("prune.finetune_label_weight=-1", "prune.finetune_label_weight must be >= 0"),
     ("prune.key_pool_layers=[2]", r"prune.key_pool_layers=\[2\]: each an encoder layer in 0..1"),
     ("prune.key_pool_layers=[0,0]", "at most once"),

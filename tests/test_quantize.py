@@ -502,6 +502,8 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.calib_images=0", "quantize.calib_images must be >= 1"),
     ("quantize.smoothquant=1.5", "quantize.smoothquant must be in (0, 1]"),
     ("quantize.ort_cpu_activations=int4", "quantize.ort_cpu_activations must be one of int8, uint8, got 'int4'"),
+    ("quantize.qat_precision=fp16", "quantize.qat_precision must be one of fp32, bf16, got 'fp16'"),
+    ("quantize.search_chunk=-1", "quantize.search_chunk must be >= 0"),
     ("quantize.search_split=shift", "quantize.search_split=shift is one of quantize.eval_splits"),
     ("quantize.qat_steps=-1", "quantize.qat_steps must be >= 0"),
 ])

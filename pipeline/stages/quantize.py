@@ -135,8 +135,11 @@ def _validate(cfg: QuantizeConfig) -> None:
     if cfg.qat_steps < 0 or cfg.qat_images < 1 or not cfg.qat_lr > 0 or not cfg.qat_minutes > 0:
         raise PipelineError(f"quantize.qat_steps must be >= 0, qat_images >= 1, qat_lr and qat_minutes > 0; got "
                             f"{cfg.qat_steps}, {cfg.qat_images}, {cfg.qat_lr}, {cfg.qat_minutes}")
-    if cfg.qat_precision not in ("fp32", "bf16"):
-        raise PipelineError(f"quantize.qat_precision must be fp32 or bf16, got {cfg.qat_precision!r}")
+    from pipeline.pruning.recover import FINETUNE_PRECISIONS
+
+    if cfg.qat_precision not in FINETUNE_PRECISIONS:
+        raise PipelineError(f"quantize.qat_precision must be one of {', '.join(FINETUNE_PRECISIONS)}, "
+                            f"got {cfg.qat_precision!r}")
     if not 0.0 <= cfg.budget < 1.0:
         raise PipelineError(f"quantize.budget must be in [0, 1) (a share of exact match), got {cfg.budget}")
     unknown = [m for m in cfg.methods if m not in METHODS]
