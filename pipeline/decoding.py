@@ -86,3 +86,79 @@ class LayoutGuard:
             if cand == self.eos or not self._may_extend[cand] or layout_run(text + self.texts[cand], self.cap) <= limit:
                 return int(cand)
         return self.eos
+
+
+# ---- speculative greedy decoding -------------------------------------------------------------------
+
+class SpeculativeStats:
+    """What speculative decoding did over the readings it was handed: decoder calls (the first call
+    included), verify calls, tokens drafted and drafted tokens accepted, tokens written."""
+
+    def __init__(self) -> None:
+        self.readings = self.calls = self.verify_calls = self.drafted = self.accepted = self.tokens = 0
+
+    def as_dict(self) -> dict:
+        n = max(1, self.readings)
+        return {"readings": self.readings, "decoder_calls": self.calls, "verify_calls": self.verify_calls,
+                "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
+                "calls_per_reading": round(self.calls / n, 2), "tokens_per_reading": round(self.tokens / n, 2),
+                "tokens_per_call": round(self.tokens / max(1, self.calls), 2),
+                "accepted_per_verify": round(self.accepted / max(1, self.verify_calls), 2),
+                "acceptance": round(self.accepted / max(1, self.drafted), 3)}
+
+
+def speculative_greedy(first: Callable, verify: Callable, propose: Callable[[list[int], int], list[int]],
+                       bos: int, eos: int, banned: Sequence[int], max_length: int, draft_len: int,
+                       guard: "LayoutGuard | None" = None, stats: SpeculativeStats | None = None) -> list[int]:
+    """One reading (batch 1), token for token what greedy decoding writes, in fewer decoder calls.
+
+    ``first(ids [1, 1]) -> (logits [1, V], past, cross)``; ``verify(ids [1, T], past, cross) ->
+    (logits [1, T, V], present)``: the T tokens after ``past``, the logits after each, ``present`` the
+    past grown by T. ``propose(ids, k)``: up to ``k`` tokens a drafter expects after ``ids`` (BOS and the
+    tokens written so far). Each verify call feeds the last written token and the drafts; greedy's own
+    choice is taken at every position (pad and BOS banned, the layout guard applied to the text so
+    far), the drafts are accepted while they equal it, and the first choice that differs is written
+    too: each call writes at least the one token a plain step would. The cache keeps only what was
+    written. ``max_length`` counts BOS, as greedy's cap does."""
+    if max_length < 2:
+        return []
+    banned = list(banned)
+    texts = [""]
+
+    def choose(row: np.ndarray) -> int:
+        row = row.astype(np.float32, copy=True)
+        row[banned] = -np.inf
+        tok = int(row.argmax())
+        if guard is not None:
+            tok = guard.step(row[None], [tok], texts)[0]
+        return tok
+
+    logits, past, cross = first(np.full((1, 1), bos, dtype=np.int64))
+    seq = [choose(logits[0])]
+    calls, verifies, drafted, accepted = 1, 0, 0, 0
+    limit = max_length - 1  # tokens a reading may write
+    while seq[-1] != eos and len(seq) < limit:
+        room = limit - len(seq)
+        drafts = [int(t) for t in propose([bos, *seq], min(draft_len, room - 1))][:max(0, room - 1)] \
+            if draft_len > 0 and room > 1 else []
+        fed = np.asarray([[seq[-1], *drafts]], dtype=np.int64)
+        logits, present = verify(fed, past, cross)
+        calls, verifies, drafted = calls + 1, verifies + 1, drafted + len(drafts)
+        took = 0
+        for j in range(fed.shape[1]):
+            tok = choose(logits[0, j])
+            seq.append(tok)
+            if tok == eos or len(seq) >= limit or j >= len(drafts) or tok != drafts[j]:
+                break
+            took += 1
+        accepted += took
+        keep = past[0].shape[2] + 1 + took  # the last written token and the accepted drafts were fed
+        past = [p[:, :, :keep] for p in present]
+    if stats is not None:
+        stats.readings += 1
+        stats.calls += calls
+        stats.verify_calls += verifies
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.tokens += len(seq)
+    return seq

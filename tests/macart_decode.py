@@ -8,6 +8,11 @@ cap on layout-only runs (``pipeline/decoding.py``, loaded by file path: it impor
 project), finished rows leave the batch, the cap counts BOS.
 
     python macart_decode.py PACKAGE IMAGES.npy OUT.json [--max-length N] [--batch-size B] [--threads T]
+                                                        [--speculative]
+
+``--speculative``: where the package has a drafter, each image (batch 1) is read with
+``speculative_greedy`` of ``pipeline/decoding.py`` through ``decoder_verify.onnx`` and the drafter of
+``pipeline/drafting.py`` (both loaded by file path): the same sequences in fewer decoder calls.
 
 IMAGES.npy holds preprocessed images, float32 [N, C, H, W]. OUT.json gets
 ``{"onnxruntime": version, "provider": ..., "max_length": N, "sequences": [[token ids], ...]}``.
@@ -24,16 +29,22 @@ import onnxruntime as ort
 
 PROVIDER = "CPUExecutionProvider"
 DECODING = Path(__file__).resolve().parent.parent / "pipeline" / "decoding.py"
+DRAFTING = Path(__file__).resolve().parent.parent / "pipeline" / "drafting.py"
+
+
+def by_path(path: Path, name: str):
+    """A module of the project that imports nothing of it, loaded from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def layout_guard_class():
     """``LayoutGuard`` from ``pipeline/decoding.py`` without importing the project."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("formula_compress_decoding", DECODING)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.LayoutGuard
+    return by_path(DECODING, "formula_compress_decoding").LayoutGuard
 
 
 def token_texts(tokenizer_json: dict, vocab_size: int) -> list:
@@ -67,6 +78,7 @@ class Package:
         so.log_severity_level = 3
         self.sessions = {g: ort.InferenceSession(str(folder / self.meta["graphs"][g]), so, providers=[PROVIDER])
                          for g in ("encoder", "decoder_first", "decoder_step")}
+        self.folder, self.options = folder, so
         self.io = self.meta["io"]
         self.bos, self.eos = int(self.meta["bos_id"]), int(self.meta["eos_id"])
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
@@ -96,6 +108,27 @@ class Package:
         names = self.io["decoder_step"]["inputs"]
         outs = self.sessions["decoder_step"].run(None, dict(zip(names, [input_ids.astype(np.int64), *past, *cross])))
         return outs[0], outs[1:]
+
+    def speculative(self, memory: np.ndarray, max_length: int, stats=None) -> list:
+        """One image's reading with ``decoder_verify`` and the package's drafter (``OnnxPackage._speculative``)."""
+        decoding = by_path(DECODING, "formula_compress_decoding")
+        drafting = by_path(DRAFTING, "formula_compress_drafting")
+        folder = self.folder
+        if "verify" not in self.sessions:
+            self.sessions["verify"] = ort.InferenceSession(str(folder / self.meta["graphs"]["decoder_verify"]),
+                                                           self.options, providers=[PROVIDER])
+        vocab = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
+        drafter, draft_len = drafting.load(folder / self.meta["drafter"], token_texts(self.tokenizer_json, vocab))
+        names = self.io["decoder_verify"]["inputs"]
+
+        def verify(ids, past, cross):
+            feed = dict(zip(names, [ids.astype(np.int64), *(np.ascontiguousarray(p) for p in past), *cross]))
+            outs = self.sessions["verify"].run(None, feed)
+            return outs[0], outs[1:]
+
+        guard = self.layout_guard(vocab) if self.layout_run_cap else None
+        return decoding.speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,
+                                           self.eos, self.banned, max_length, draft_len, guard, stats)
 
     def greedy(self, memory: np.ndarray, max_length: int) -> list:
         """``OnnxPackage._greedy``, line for line."""
@@ -142,6 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int, default=None, help="cap incl. BOS; default: the package's")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--speculative", action="store_true", help="batch 1 with the package's drafter")
     args = ap.parse_args(argv)
     if not (args.package / "package.json").is_file():
         print(f"error: not an exported package (no package.json): {args.package}", file=sys.stderr)
@@ -150,10 +184,20 @@ def main(argv=None) -> int:
     images = np.load(args.images)
     max_length = int(args.max_length or pkg.meta["max_length"])
     sequences = []
-    for start in range(0, images.shape[0], args.batch_size):
-        sequences += pkg.greedy(pkg.encode(images[start:start + args.batch_size]), max_length)
+    stats = None
+    if args.speculative:
+        if not pkg.meta.get("drafter"):
+            print(f"error: --speculative: package {args.package} has no drafter", file=sys.stderr)
+            return 2
+        stats = by_path(DECODING, "formula_compress_decoding").SpeculativeStats()
+        for image in images:
+            sequences.append(pkg.speculative(pkg.encode(image[None]), max_length, stats))
+    else:
+        for start in range(0, images.shape[0], args.batch_size):
+            sequences += pkg.greedy(pkg.encode(images[start:start + args.batch_size]), max_length)
     args.out.write_text(json.dumps({"onnxruntime": ort.__version__, "numpy": np.__version__, "provider": PROVIDER,
-                                    "max_length": max_length, "sequences": sequences}) + "\n")
+                                    "max_length": max_length, "sequences": sequences,
+                                    "speculative": stats.as_dict() if stats else None}) + "\n")
     return 0
 
 

@@ -75,12 +75,15 @@ def macart_python() -> Path:
     return python
 
 
-def decode(package: Path, images: Path, out: Path, threads: int = 1, timeout: int = 900) -> dict:
-    """Greedy token ids of ``images`` (an .npy of preprocessed images) read by ``package`` on ORT 1.12.1."""
+def decode(package: Path, images: Path, out: Path, threads: int = 1, timeout: int = 900, speculative: bool = False
+           ) -> dict:
+    """Greedy token ids of ``images`` (an .npy of preprocessed images) read by ``package`` on ORT 1.12.1
+    (``speculative``: batch 1 with the package's drafter and verify graph)."""
     import json
 
     done = subprocess.run([str(macart_python()), str(DECODER), str(package), str(images), str(out),
-                           "--threads", str(threads)], capture_output=True, text=True, timeout=timeout)
+                           "--threads", str(threads), *(["--speculative"] if speculative else [])],
+                          capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise MacaRTEnvError(f"macart_decode.py failed on {package.name} (exit {done.returncode}): "
                              + done.stderr.strip()[-2000:])

@@ -74,7 +74,9 @@ def test_variants_resolved_defaults_skipped_and_requested(tmp_path):
 def test_run_measures_every_variant_on_the_same_images(root, benched):
     m = benched["metrics"]
     labels = [v["label"] for v in m["variants"]]
-    assert labels == ["torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine"]
+    # each package has a drafter (export's default): it also runs as "(greedy)", plain greedy at batch 1
+    assert labels == ["torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine", "deployable (greedy)",
+                      "mine (greedy)"]
     kinds = {v["label"]: v["kind"] for v in m["variants"]}
     assert kinds["deployable"] == kinds["mine"] == "package"
     by = {v["label"]: v for v in m["variants"]}
@@ -113,7 +115,18 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     assert "## Serving" in report and "## Where the time went" in report
     d = by["deployable"]["latency"]["encoder_p50_ms"]
     assert "| encoder p50 ms, batch 1 |" in report and f"| {d:.1f} |" in report
-    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "timing", "latency", "serving", "peak memory"}
+    assert set(m["phase_seconds"]) == {"load and render", "accuracy", "timing", "speculative check", "latency",
+                                       "serving", "peak memory"}
+    # the twin shares the batched reading; the speculative check reads every formula both ways at batch 1
+    assert by["deployable (greedy)"]["exact_match"] == by["deployable"]["exact_match"]
+    spec = m["speculative"]["deployable"]
+    assert spec["drafter"] == "ngram" and set(spec["splits"]) == {"formulas"}
+    r = spec["splits"]["formulas"]
+    assert r["n"] == 10 and r["identical"] == 1.0
+    assert 1 <= r["calls_per_formula"] <= r["greedy_calls_per_formula"]
+    assert "## Speculative decoding" in report and "| deployable | ngram (k=8) | formulas | 10 | 1.000 |" in report
+    assert set(json.loads((folder / "predictions.jsonl").read_text().splitlines()[0])) == \
+        {"truth", "torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine"}
 
 
 def test_packages_read_side_by_side_read_what_they_read_alone(root, benched):
@@ -236,7 +249,9 @@ def test_real_model_against_its_exported_package():
                           "benchmark.requests=1", "benchmark.name=benchmark-real", f"model.max_length={MAX_LENGTH}"])
     m = benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)["metrics"]
     by = {v["label"]: v for v in m["variants"]}
-    assert set(by) == {"torch original", "torch original + KV cache", "exported"}
+    assert set(by) == {"torch original", "torch original + KV cache", "exported", "exported (greedy)"}
+    # the real model's package decodes speculatively token for token as it decodes greedily
+    assert m["speculative"]["exported"]["splits"]["formulas"]["identical"] == 1.0
     for v in by.values():  # the shipped model reads both formulas right, and so does every variant
         assert v["exact_match"] == 1.0 and v["identical_tokens"] == 1.0 and v["accuracy_n"] == 2
     assert m["serving"]["n"] == 2 and by["exported"]["peak_mb"] is None

@@ -83,11 +83,16 @@ def test_torch_the_package_and_the_macart_script_cap_the_runaway_alike(looping):
         assert model.generate(images, 12, use_cache=use_cache).texts == [want, want]
     got = package.generate(images.numpy(), 12, batch_size=2)
     assert got.texts == [want, want]
+    # batch 1: speculative decoding (the package's verify graph and ngram drafter), the guard applied alike
+    assert package.speculative
+    fast = package.generate(images.numpy(), 12, batch_size=1)
+    assert fast.token_ids == got.token_ids and sum(fast.calls) < sum(got.steps)
     sys.path.insert(0, str(Path(__file__).parent))
     from macart_decode import Package
 
     script = Package(root / "export-ort_cpu", threads=1)
     assert script.greedy(script.encode(images.numpy()), 12) == got.token_ids
+    assert [script.speculative(script.encode(im[None]), 12) for im in images.numpy()] == got.token_ids
     # without the cap the same model writes the loop to the end, in all three
     model.layout_run_cap = 0
     assert model.generate(images, 12).texts == ["&" * 11] * 2
@@ -95,6 +100,8 @@ def test_torch_the_package_and_the_macart_script_cap_the_runaway_alike(looping):
     meta["layout_run_cap"] = 0
     (root / "export-ort_cpu" / "package.json").write_text(json.dumps(meta))
     assert OnnxPackage(root / "export-ort_cpu", threads=1).generate(images.numpy(), 12).texts == ["&" * 11] * 2
+    assert OnnxPackage(root / "export-ort_cpu", threads=1).generate(images.numpy(), 12, batch_size=1).texts == \
+        ["&" * 11] * 2
     script = Package(root / "export-ort_cpu", threads=1)
     assert script.greedy(script.encode(images.numpy()), 12) == [[43] * 11] * 2
     model.layout_run_cap = 2
@@ -139,3 +146,48 @@ def test_rows_that_finish_early_leave_the_guard_with_their_text(looping, monkeyp
     package = Scripted(type("Tok", (), {"decode": staticmethod(model.decode_text)})())
     ids = package._greedy(memory.numpy(), 12)
     assert [model.decode_text(i) for i in ids] == want
+
+
+def test_a_drafter_that_is_always_wrong_still_reads_greedy(looping, tmp_path):
+    """Drafts of BOS (banned: greedy never writes it) at every position, the cap on: every draft is
+    refused and each call writes the one token a plain step would."""
+    import shutil
+
+    from pipeline import drafting
+    from pipeline.export.runtime import OnnxPackage
+
+    root, model, images = looping
+    pkg = tmp_path / "pkg"
+    shutil.copytree(root / "export-ort_cpu", pkg)
+    meta = json.loads((pkg / "package.json").read_text())
+    meta["layout_run_cap"] = 2
+    (pkg / "package.json").write_text(json.dumps(meta))
+    table = {(i,): model.bos_id for i in range(model.vocab_size)}
+    drafting.save(drafting.NgramDrafter(1, table), pkg / "drafter.json", 4, {"test": "always wrong"})
+    fast, plain = OnnxPackage(pkg, threads=1), OnnxPackage(pkg, threads=1, speculative=False)
+    got = fast.generate(images.numpy(), 12, batch_size=1)
+    assert got.texts == ["&&x&&x&&x&&"] * 2
+    assert got.token_ids == plain.generate(images.numpy(), 12, batch_size=1).token_ids
+    stats = fast.spec_stats.as_dict()
+    assert stats["accepted"] == 0 and stats["drafted"] > 0 and got.calls == got.steps
+
+
+def test_bad_drafter_settings_are_one_clear_error(looping, tmp_path):
+    from pipeline.errors import PipelineError
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import export
+
+    root, _, _ = looping
+    for override, needle in (("export.drafter=magic", r"export\.drafter: unknown 'magic'; known: none, ngram, bpe"),
+                             ("export.draft_len=0", r"export\.draft_len must be >= 1, got 0")):
+        ctx = fake_ctx(tmp_path, [override])
+        with pytest.raises(PipelineError, match=needle):
+            export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    assert not list(tmp_path.glob("export-*"))
+    import shutil
+
+    pkg = tmp_path / "broken"
+    shutil.copytree(root / "export-ort_cpu", pkg)
+    (pkg / "drafter.json").write_text("{}")
+    with pytest.raises(PipelineError, match=r"drafter .*drafter\.json: not a 'formula-compress drafter v1' file"):
+        OnnxPackage(pkg, threads=1)

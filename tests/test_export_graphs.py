@@ -123,6 +123,15 @@ def test_onnx_graphs_dynamic_axes_equal_recompute(tiny_model, tiny_adapter):
         o = sess["decoder_step"].run(None, dict(zip(names, [tokens[:, t:t + 1].numpy(), *past, *cross])))
         np.testing.assert_allclose(o[0], full[:, t], rtol=1e-4, atol=1e-4)
         past = o[1:]
+    # the verify graph: T tokens after a past of any length, logits after each equal single steps'
+    vnames = [i.name for i in sess["decoder_verify"].get_inputs()]
+    assert vnames == names
+    for cut, width in ((1, 1), (1, 4), (3, 6), (5, 3)):
+        o = sess["decoder_first"].run(None, {"input_ids": tokens[:, :cut].numpy(), "memory": memory})
+        v = sess["decoder_verify"].run(None, dict(zip(vnames, [tokens[:, cut:cut + width].numpy(), *o[1:1 + n], *cross])))
+        assert v[0].shape == (3, width, full.shape[-1])
+        np.testing.assert_allclose(v[0], full[:, cut:cut + width], rtol=1e-4, atol=1e-4)
+        assert all(p.shape[2] == cut + width for p in v[1:])
     # FP16 weights: still loadable with float32 I/O, close to float
     m16 = to_fp16(graphs["decoder_step"])
     assert any(t.data_type == TensorProto.FLOAT16 for t in m16.graph.initializer)

@@ -43,6 +43,33 @@ def test_ort_cpu_package_is_complete_and_matches_torch(ort_pkg):
     assert "encoder.onnx" in manifest["outputs"]
 
 
+def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
+    """The real model's package: a verify graph whose logits are the steps', an ngram drafter from its
+    own readings of train formulas, and speculative readings token for token its greedy ones."""
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+
+    meta = json.loads((ort_pkg / "package.json").read_text())
+    assert meta["graphs"]["decoder_verify"] == "decoder_verify.onnx" and meta["drafter"] == "drafter.json"
+    verify_ops = {n.op_type for n in onnx.load(str(ort_pkg / "decoder_verify.onnx")).graph.node}
+    assert "MultiHeadAttention" in verify_ops  # self-attention fused with unidirectional=1, cross as in the step
+    parity = json.loads((ort_pkg / "parity.json").read_text())
+    assert parity["tensors"]["decoder_verify.logits"]["cosine"] > 0.9999
+    s = parity["speculative"]
+    assert s["drafter"] == "ngram" and s["identical"] == 1.0 and s["n"] == 2
+    drafter = json.loads((ort_pkg / "drafter.json").read_text())
+    assert drafter["kind"] == "ngram" and "8 train formulas" in drafter["source"]["readings"]
+    fast, plain = OnnxPackage(ort_pkg, threads=1), OnnxPackage(ort_pkg, threads=1, speculative=False)
+    assert fast.speculative and not plain.speculative
+    # formulas of another package than the drafter's, the layout cap on (the model config's default)
+    formulas = [r"\frac{a+b}{c}", r"\sum_{i=1}^{n} i^2", r"\sqrt{x^2+y^2}", r"\alpha\beta\gamma"]
+    images = np.stack([fast.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
+    assert fast.layout_run_cap > 0
+    got, want = fast.generate(images, MAX_LENGTH, batch_size=1), plain.generate(images, MAX_LENGTH, batch_size=1)
+    assert got.token_ids == want.token_ids
+    assert sum(got.calls) < sum(want.calls) == sum(len(t) for t in want.token_ids)
+
+
 def test_same_config_reuses_the_package(ort_pkg):
     before = (ort_pkg / "manifest.json").read_text()
     run_export("target=ort_cpu")
@@ -151,10 +178,12 @@ def test_tensorrt_commands_are_written_beside_the_onnx(ort_pkg, tmp_path):
     info = _tensorrt(ExportConfig(trt_max_batch=4), tmp_path, meta, SimpleNamespace(models=models))
     script = (tmp_path / "build_engines.sh").read_text().splitlines()
     cmds = [ln for ln in script if ln.startswith("trtexec ")]
-    assert [c.split()[1] for c in cmds] == ["--onnx=encoder.onnx", "--onnx=decoder_first.onnx", "--onnx=decoder_step.onnx"]
+    assert [c.split()[1] for c in cmds] == ["--onnx=encoder.onnx", "--onnx=decoder_first.onnx", "--onnx=decoder_step.onnx",
+                                            "--onnx=decoder_verify.onnx"]
     assert all("--fp16" in c and "--int8" not in c for c in cmds)  # float graphs: no Q/DQ, no INT8
     assert "--maxShapes=images:4x1x128x512" in cmds[0]
     assert f"past_key_0:4x8x{MAX_LENGTH - 1}x32" in cmds[2]
+    assert "--maxShapes=input_ids:1x9," in cmds[3]  # the verify graph: batch 1, the last token + 8 drafts
     if not tensorrt_available():
         assert info == {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
 

@@ -116,8 +116,13 @@ def readings(eval_images):
             pinned = OnnxPackage(pkg, threads=1).generate(np.load(eval_images), max_length, batch_size=1).token_ids
             old = macart_env.decode(pkg, eval_images, eval_images.with_name(f"{pkg.name}.ort112.json"), threads=1)
             same = [a == b for a, b in zip(pinned, old["sequences"])]
+            # the package's verify graph and drafter on ORT 1.12.1: speculative readings are its greedy ones
+            spec = macart_env.decode(pkg, eval_images, eval_images.with_name(f"{pkg.name}.ort112.spec.json"),
+                                     threads=1, speculative=True)
             summary = {"package": pkg.name, "onnxruntime_1_12": old["onnxruntime"], "n": len(same),
                        "identical": sum(same), "differ_at": [i for i, x in enumerate(same) if not x],
+                       "speculative_identical": sum(a == b for a, b in zip(spec["sequences"], old["sequences"])),
+                       "speculative_calls": spec["speculative"]["decoder_calls"],
                        "hit_cap": sum(len(x) >= max_length - 1 and x[-1:] != [eos] for x in pinned)}
             print(f"[macart] {json.dumps(summary)}")
             done[pkg.name] = {**summary, "pinned": pinned, "ort112": old["sequences"]}
@@ -147,6 +152,9 @@ def test_decode_script_is_onnx_package_greedy_on_the_pinned_runtime(float_packag
 def _check(r: dict) -> None:
     assert r["onnxruntime_1_12"] == "1.12.1"
     assert r["n"] == N_EVAL
+    # speculative decoding on ORT 1.12.1 (verify graph + drafter) writes its plain greedy readings there
+    assert r["speculative_identical"] == r["n"]
+    assert r["speculative_calls"] < sum(len(x) for x in r["ort112"])
 
 
 @pytest.mark.slow
@@ -177,10 +185,12 @@ def test_decode_script_imports_numpy_and_onnxruntime_only():
         found = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         return found | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
-    stdlib = {"__future__", "argparse", "importlib", "json", "re", "sys", "pathlib", "typing"}
+    stdlib = {"__future__", "argparse", "collections", "importlib", "json", "re", "sys", "pathlib", "typing"}
     assert roots(macart_env.DECODER) - stdlib == {"numpy", "onnxruntime"}
     decoding = macart_env.DECODER.parent.parent / "pipeline" / "decoding.py"
     assert decoding.is_file() and roots(decoding) - stdlib == {"numpy"}
+    drafting = macart_env.DECODER.parent.parent / "pipeline" / "drafting.py"  # speculative decoding's drafters
+    assert drafting.is_file() and roots(drafting) - stdlib == set()
 
 
 def test_no_python_3_10_fails_with_what_was_tried(monkeypatch, tmp_path):

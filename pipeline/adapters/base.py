@@ -52,6 +52,8 @@ class DecodeResult:
     decoder_seconds: float = 0.0
     steps: list[int] = field(default_factory=list)  # decode steps per sample
     hit_cap: list[bool] = field(default_factory=list)  # stopped by max_length, not by EOS
+    calls: list[int] = field(default_factory=list)  # decoder calls per sample (speculative decoding: fewer
+                                                     # than steps); empty: one per step
 
 
 class ModelAdapter(abc.ABC):

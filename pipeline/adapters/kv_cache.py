@@ -36,7 +36,9 @@ def _attend(attn: nn.Module, q_in: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ctx = torch.matmul(F.softmax(scores, dim=-1), v)
     if attn.head_mask is not None:
         ctx = ctx * attn.head_mask.view(1, -1, 1, 1)
-    b, _, n, _ = ctx.shape
+    # the sizes from the block's input, not from ctx: in an exported graph ctx then feeds the head merge
+    # alone, the pattern ORT's MultiHeadAttention fusion takes (pipeline/quantization/fusion.py)
+    b, n = q_in.shape[0], q_in.shape[1]
     return attn.out_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
 
 
@@ -60,11 +62,12 @@ class CachedDecoder(nn.Module):
             out += [_heads(a.k_proj(memory), a.num_heads, a.head_dim), _heads(a.v_proj(memory), a.num_heads, a.head_dim)]
         return out
 
-    def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool
-            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """tokens [B, T] after ``past`` (per layer k, v [B, H, P, d]; empty list: P = 0) -> last logits [B, V], present.
+    def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
+            every: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, T] after ``past`` (per layer k, v [B, H, P, d]; empty list: P = 0) -> last logits [B, V]
+        (``every``: the logits after each of the T tokens, [B, T, V]), present.
 
-        ``causal``: mask future keys (a prefix of T > 1 tokens); a single new token reads every key.
+        ``causal``: mask future keys (T > 1 tokens, after a past or not); a single new token reads every key.
         """
         offset = past[0].shape[2] if past else 0
         emb = self.model.decoder_embed
@@ -83,5 +86,5 @@ class CachedDecoder(nn.Module):
             x = x + _attend(a, h, k, v, offset if causal else None)
             x = x + _attend(blk.cross_attn, blk.cross_norm(x), cross[2 * i], cross[2 * i + 1], None)
             x = x + blk.ffn(blk.ffn_norm(x))
-        logits = self.model.lm_head(self.model.decoder_norm(x[:, -1])).float()
+        logits = self.model.lm_head(self.model.decoder_norm(x if every else x[:, -1])).float()
         return logits, present

@@ -30,7 +30,8 @@ def _merge(parts: Sequence[DecodeResult]) -> DecodeResult:
     return DecodeResult(token_ids=[t for p in parts for t in p.token_ids], texts=[t for p in parts for t in p.texts],
                         encoder_seconds=sum(p.encoder_seconds for p in parts),
                         decoder_seconds=sum(p.decoder_seconds for p in parts),
-                        steps=[s for p in parts for s in p.steps], hit_cap=[h for p in parts for h in p.hit_cap])
+                        steps=[s for p in parts for s in p.steps], hit_cap=[h for p in parts for h in p.hit_cap],
+                        calls=[c for p in parts for c in p.calls])
 
 
 def _decode_chunks(variant: Variant, images: np.ndarray, max_length: int, batch_size: int,
@@ -108,6 +109,35 @@ def timing(variant: Variant, images: np.ndarray, max_length: int, batch_size: in
     return {"timed_n": len(images), "images_per_s": len(images) / seconds,
             "encoder_ms_per_formula": 1000 * result.encoder_seconds / n,
             "decoder_ms_per_formula": 1000 * result.decoder_seconds / n}
+
+
+def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: int,
+                progress: Callable[[int], None] | None = None) -> dict:
+    """A package's speculative readings (batch 1, its drafter) against its plain greedy ones, image by
+    image in turn (both see the same load): the share identical, decoder calls and tokens per
+    formula, accepted drafts per verify call, and the decoder's milliseconds per formula of each."""
+    stats = fast.package.spec_stats
+    before = stats.as_dict()
+    same, calls, steps, dec_fast, dec_plain, enc = [], [], [], 0.0, 0.0, 0.0
+    for img in images:
+        a = fast.decode(img[None], max_length, 1)
+        b = plain.decode(img[None], max_length, 1)
+        same.append(a.token_ids == b.token_ids)
+        calls += a.calls
+        steps += b.steps
+        dec_fast, dec_plain, enc = dec_fast + a.decoder_seconds, dec_plain + b.decoder_seconds, enc + b.encoder_seconds
+        if progress is not None:
+            progress(1)
+    after = stats.as_dict()
+    verifies = after["verify_calls"] - before["verify_calls"]
+    n = max(1, len(images))
+    return {"n": len(images), "identical": float(np.mean(same)) if same else 1.0,
+            "calls_per_formula": float(np.mean(calls)) if calls else 0.0,
+            "greedy_calls_per_formula": float(np.mean(steps)) if steps else 0.0,
+            "accepted_per_verify": (after["accepted"] - before["accepted"]) / max(1, verifies),
+            "acceptance": (after["accepted"] - before["accepted"]) / max(1, after["drafted"] - before["drafted"]),
+            "decoder_ms_per_formula": 1000 * dec_fast / n, "greedy_decoder_ms_per_formula": 1000 * dec_plain / n,
+            "encoder_ms_per_formula": 1000 * enc / n}
 
 
 def identical_share(ids: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:

@@ -145,8 +145,12 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
     root = Path(root)
     stages = stage_reports(root)
     rel = os.path.relpath(benchmark_folder, root)
-    packages = [{"label": v["label"], "folder": v["location"], "model": v.get("model"),
-                 "precision": v.get("precision")} for v in metrics["variants"] if v["kind"] == "package"]
+    packages, seen = [], set()
+    for v in metrics["variants"]:  # a package's greedy twin row is the same folder: listed once
+        if v["kind"] == "package" and v["location"] not in seen:
+            seen.add(v["location"])
+            packages.append({"label": v["label"], "folder": v["location"], "model": v.get("model"),
+                             "precision": v.get("precision")})
     payload = {"benchmark": rel, "variants": metrics["variants"], "serving": metrics.get("serving"),
                "packages": packages, "stages": stages, "notes": metrics.get("notes", [])}
     lines = ["# Run summary", "",
@@ -155,6 +159,13 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
              f"{metrics['threads']} thread(s) per variant.", "", table(metrics["variants"]), ""]
     if metrics.get("serving"):
         lines += ["Serving (threads sharing one package's sessions):", "", serving_table(metrics["serving"]), ""]
+    for label, spec in (metrics.get("speculative") or {}).items():
+        lines += [f"Speculative decoding of `{label}` at batch 1 ({spec['drafter']} drafter, {spec['draft_len']} drafts "
+                  f"a call) against its own plain greedy: " + "; ".join(
+                      f"{split}: identical on {r['identical']:.3f} of {r['n']}, decoder calls "
+                      f"{r['greedy_calls_per_formula'] / max(r['calls_per_formula'], 1e-9):.2f}x fewer, decoder ms "
+                      f"{r['greedy_decoder_ms_per_formula'] / max(r['decoder_ms_per_formula'], 1e-9):.2f}x lower"
+                      for split, r in spec["splits"].items()) + ".", ""]
     lines += [f"![Pareto]({rel}/pareto.png)", "", "## Packages", ""]
     lines += [f"- {p['label']}: `{p['folder']}` (model {p['model'] or '?'}, precision "
               f"{', '.join(f'{g} {q}' for g, q in (p['precision'] or {}).items()) or '?'})" for p in packages] \

@@ -122,20 +122,21 @@ def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, fami
     return Variant(label, spec["kind"], ref, size, decode, spec)
 
 
-def package_variant(label: str, folder: Path, threads: int) -> Variant:
-    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
+def package_variant(label: str, folder: Path, threads: int, speculative: bool = True) -> Variant:
+    """A package as a variant; ``speculative=False``: plain greedy even at batch 1 where it has a drafter."""
+    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider", speculative=speculative)
 
     def decode(images: np.ndarray, max_length: int, batch_size: int) -> DecodeResult:
         return package.generate(images, max_length=max_length, batch_size=batch_size)
 
     return Variant(label, PACKAGE, str(folder), dir_bytes(package_files(folder)), decode,
-                   {"kind": PACKAGE, "folder": str(folder)}, package)
+                   {"kind": PACKAGE, "folder": str(folder), "speculative": speculative}, package)
 
 
 def rebuild(spec: dict[str, Any], threads: int) -> Callable[[np.ndarray, int, int], DecodeResult]:
     """The decode call of a variant from its ``spec``, in a fresh process (see :mod:`.memory`)."""
     if spec["kind"] == PACKAGE:
-        return package_variant("", Path(spec["folder"]), threads).decode
+        return package_variant("", Path(spec["folder"]), threads, bool(spec.get("speculative", True))).decode
     from pipeline.adapters.base import load_adapter
 
     adapter = load_adapter(spec["family"], spec["source"], trust_checkpoint=bool(spec["trust_checkpoint"]))

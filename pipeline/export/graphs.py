@@ -51,6 +51,22 @@ class DecoderStepGraph(nn.Module):
         return (logits, *present)
 
 
+class DecoderVerifyGraph(nn.Module):
+    """input_ids [B, T] after past self K/V [B, H, P, d], cross K/V -> logits [B, T, V] (after each of the
+    T tokens), present [B, H, P+T, d]: speculative decoding checks T drafted tokens in one call. Token i
+    reads the past and new tokens 0..i (causal, offset by P), so its logits equal T single steps'."""
+
+    def __init__(self, cached: nn.Module):
+        super().__init__()
+        self.dec = cached
+
+    def forward(self, input_ids: torch.Tensor, *kv: torch.Tensor):
+        n = 2 * self.dec.num_layers
+        past, cross = list(kv[:n]), list(kv[n:])
+        logits, present = self.dec.run(input_ids, past, cross, causal=True, every=True)
+        return (logits, *present)
+
+
 def io_names(num_layers: int) -> dict[str, list[str]]:
     past = [f"past_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]
     present = [f"present_{kind}_{i}" for i in range(num_layers) for kind in ("key", "value")]

@@ -13,7 +13,7 @@ import torch
 from onnx import helper
 
 from pipeline.errors import PipelineError
-from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, EncoderGraph, io_names
+from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, DecoderVerifyGraph, EncoderGraph, io_names
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
@@ -25,6 +25,8 @@ def graph_io(num_layers: int) -> dict[str, dict[str, list[str]]]:
         "encoder": {"inputs": ["images"], "outputs": ["memory"]},
         "decoder_first": {"inputs": ["input_ids", "memory"], "outputs": ["logits", *n["present"], *n["cross"]]},
         "decoder_step": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
+        # speculative decoding's check of T drafted tokens: logits [B, T, V]
+        "decoder_verify": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
     }
 
 
@@ -41,7 +43,8 @@ def _to_model(module: torch.nn.Module, args: tuple, names: dict[str, list[str]],
 
 
 def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
-    """Encoder, decoder first step and decoder step with past K/V; dynamic batch and sequence axes.
+    """Encoder, decoder first step, decoder step with past K/V and the verify graph (T tokens after a
+    past, logits after each); dynamic batch and sequence axes.
 
     The decoder graphs wrap the adapter's KV-cached decoder (``ModelAdapter.cached_decoder``)."""
     adapter.model.eval()
@@ -71,6 +74,13 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
     step_ids = torch.tensor([[9], [10]], dtype=torch.long)
     graphs["decoder_step"] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io["decoder_step"], dyn, opset)
+    dyn = {"input_ids": {0: "batch", 1: "new"}, "logits": {0: "batch", 1: "new"}}
+    dyn.update({k: {0: "batch", 2: "past_len"} for k in n["past"]})
+    dyn.update({k: {0: "batch", 2: "total_len"} for k in n["present"]})
+    dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
+    verify_ids = torch.tensor([[9, 4, 11], [10, 12, 4]], dtype=torch.long)
+    graphs["decoder_verify"] = _to_model(DecoderVerifyGraph(cached).eval(), (verify_ids, *kv), io["decoder_verify"],
+                                         dyn, opset)
     return graphs
 
 

@@ -57,6 +57,9 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
         hist["encoder"] = {"qdq input": og.op_histogram(raw["encoder"])}
         precision["encoder"] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
     final = set()
+    if "decoder_step" in (int8_decoders or {}) and "decoder_verify" not in int8_decoders:
+        # a quantize artifact from before the verify graph: a float verify would not read as the INT8 step
+        del raw["decoder_verify"], hist["decoder_verify"], precision["decoder_verify"]
     for g, path in (int8_decoders or {}).items():
         raw[g] = load_final_graph(path, raw[g], g)
         hist[g] = {"int8 input": og.op_histogram(raw[g])}
@@ -67,6 +70,23 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
     hidden = shapes["hidden_size"]  # 0 heads / hidden: the optimizer reads them from the graph
     out = {}
     with tempfile.TemporaryDirectory(prefix="fuse-") as tmp:
+
+        def transformed(g: str, m: onnx.ModelProto) -> onnx.ModelProto:
+            steps = hist[g]
+            qdq = og.has_qdq(m)
+            # onnxsim and ORT's fusions would constant-fold DequantizeLinear(weights) back to float
+            if simplify and not qdq:
+                m = og.simplify(m, g)
+                steps["simplified"] = og.op_histogram(m)
+            if target.fuse and not qdq:
+                m = og.fuse_transformer(m, *((heads[0], hidden) if len(heads) == 1 else (0, 0)), Path(tmp), g)
+                if g == "encoder":  # what the transformer optimizer leaves: the unmasked ViT attention
+                    fuse_attention(m)
+                elif g in ("decoder_step", "decoder_verify"):  # and the attention over the K/V caches
+                    fuse_cached_attention(m, causal=g == "decoder_verify")
+                steps["fused"] = og.op_histogram(m)
+            return m
+
         for g, m in raw.items():
             if g in final:
                 og.clamp_ir_version(m, target.rules.max_ir_version)
@@ -74,18 +94,7 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
                 out[g] = m
                 progress(g)
                 continue
-            qdq = og.has_qdq(m)
-            # onnxsim and ORT's fusions would constant-fold DequantizeLinear(weights) back to float
-            if simplify and not qdq:
-                m = og.simplify(m, g)
-                hist[g]["simplified"] = og.op_histogram(m)
-            if target.fuse and not qdq:
-                m = og.fuse_transformer(m, *((heads[0], hidden) if len(heads) == 1 else (0, 0)), Path(tmp), g)
-                if g == "encoder":  # what the transformer optimizer leaves: the unmasked ViT attention
-                    fuse_attention(m)
-                elif g == "decoder_step":  # and the step's attention over its K/V caches
-                    fuse_cached_attention(m)
-                hist[g]["fused"] = og.op_histogram(m)
+            m = transformed(g, m)
             if target.fp16_weights:
                 m = og.to_fp16(m)
                 hist[g]["fp16"] = og.op_histogram(m)

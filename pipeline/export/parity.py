@@ -42,7 +42,8 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 @torch.no_grad()
 def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> dict[str, dict]:
     """Per output, worst case over ``images``; ``token_ids`` are the teacher-forced targets (BOS..EOS)."""
-    mem_parts, first_parts, step_parts = [], [], []
+    mem_parts, first_parts, step_parts, verify_parts = [], [], [], []
+    has_verify = "decoder_verify" in package.meta["graphs"]
     for img, ids in zip(images, token_ids):
         ids = list(ids)[: max(2, int(package.meta["max_length"]))]
         memory_t = adapter.encode(img[None])
@@ -58,10 +59,22 @@ def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Se
             steps.append(lo[0])
         if steps:
             step_parts.append(compare(logits_t[1:len(ids)], np.stack(steps)))
+        if has_verify and len(ids) > 1:  # the same tokens VERIFY_WIDTH at a time after the first
+            lo, past, cross = package.first(np.array([[ids[0]]]), memory_t.numpy())
+            chunks = []
+            for t in range(1, len(ids), VERIFY_WIDTH):
+                lo, past = package.verify(np.array([ids[t:t + VERIFY_WIDTH]]), past, cross)
+                chunks.append(lo[0])
+            verify_parts.append(compare(logits_t[1:len(ids)], np.concatenate(chunks)))
     result = {"encoder.memory": _merge(mem_parts), "decoder_first.logits": _merge(first_parts)}
     if step_parts:
         result["decoder_step.logits"] = _merge(step_parts)
+    if verify_parts:
+        result["decoder_verify.logits"] = _merge(verify_parts)
     return result
+
+
+VERIFY_WIDTH = 5  # tokens a verify call of the tensor parity checks (any width holds the same logits)
 
 
 @dataclass
@@ -73,9 +86,10 @@ class TokenParity:
     exact_match_onnx: float
     rows: list[dict]
     reference: Any = None     # torch's DecodeResult (reused by the next target of the same model)
+    package_ids: list = None  # the package's greedy token ids, row by row
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("rows", "reference")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("rows", "reference", "package_ids")}
 
 
 def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], ids: Sequence[str],
@@ -101,6 +115,7 @@ def token_parity(adapter, package, images: torch.Tensor, truths: Sequence[str], 
                      "exact_torch": normalize(ta) == normalize(truth), "exact_onnx": normalize(tb) == normalize(truth)})
     n = len(rows)
     return TokenParity(n=n, identical=same / max(n, 1), token_agreement=agree / max(total, 1), reference=ref,
+                       package_ids=[list(map(int, ids)) for ids in got.token_ids],
                        exact_match_torch=float(np.mean([r["exact_torch"] for r in rows])) if n else 0.0,
                        exact_match_onnx=float(np.mean([r["exact_onnx"] for r in rows])) if n else 0.0, rows=rows)
 

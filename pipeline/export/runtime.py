@@ -12,9 +12,9 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline import interrupts, schema
+from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import LayoutGuard
+from pipeline.decoding import LayoutGuard, SpeculativeStats, speculative_greedy
 from pipeline.errors import PipelineError
 from pipeline.schema import load_json
 
@@ -75,9 +75,14 @@ def batch_runs(n: int, batch_size: int, parts: int) -> list[tuple[int, int]]:
 
 
 class OnnxPackage:
-    """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON."""
+    """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON;
+    with ``decoder_verify.onnx`` and a drafter (``package.json: drafter``), speculative decoding.
 
-    def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None):
+    ``speculative``: decode a batch of one speculatively where the package can (its readings are
+    token for token greedy's); False: plain greedy always. Batches of more than one image decode
+    plain greedy (rows would accept drafts of different lengths)."""
+
+    def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True):
         import onnxruntime as ort
 
         self.folder = Path(folder)
@@ -114,6 +119,43 @@ class OnnxPackage:
         self.num_layers = int(self.meta["num_layers"])
         # the decoder's position table; packages from before it was recorded: their export cap
         self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
+        self.drafter, self.draft_len = None, 0
+        self.spec_stats = SpeculativeStats()
+        if speculative and self.meta.get("drafter"):
+            self.drafter, self.draft_len = self._load_drafter()
+
+    def _load_drafter(self):
+        """The package's drafter (``package.json: drafter``, a file in the package), and the verify graph."""
+        if "decoder_verify" not in self.meta["graphs"]:
+            raise PipelineError(f"package {self.folder}: package.json names a drafter but no decoder_verify graph")
+        path = self.folder / str(self.meta["drafter"])
+        if not path.is_file():
+            raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
+        texts = [self.tokenizer.decode([i]) for i in range(self._vocab())]
+        try:
+            drafter, draft_len = drafting.load(path, texts)
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
+        self._verify_session()
+        return drafter, draft_len
+
+    def _verify_session(self):
+        if "decoder_verify" not in self.sessions:
+            if "decoder_verify" not in self.meta["graphs"]:
+                raise PipelineError(f"package {self.folder} has no decoder_verify graph (exported before it existed)")
+            self.use_graph("decoder_verify", self.folder / self.meta["graphs"]["decoder_verify"])
+        return self.sessions["decoder_verify"]
+
+    def _vocab(self) -> int:
+        """The decoder's vocabulary size, from the step graph's logits."""
+        size = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
+        if not isinstance(size, int):
+            raise PipelineError(f"package {self.folder}: decoder_step's logits have no fixed vocabulary size ({size!r})")
+        return size
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
 
     def use_graph(self, graph: str, path: str | Path) -> None:
         """Run ``graph`` from ``path`` (same inputs and outputs): how a quantized encoder variant is
@@ -144,19 +186,34 @@ class OnnxPackage:
         outs = self.sessions["decoder_step"].run(None, feed)
         return outs[0], outs[1:]
 
+    def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
+        """T tokens after ``past`` in one call: logits [B, T, V] after each, present grown by T."""
+        names = self.io["decoder_verify"]["inputs"]
+        feed = dict(zip(names, [input_ids.astype(np.int64), *(np.ascontiguousarray(p) for p in past), *cross]))
+        outs = self._verify_session().run(None, feed)
+        return outs[0], outs[1:]
+
     # ---- greedy decoding ------------------------------------------------------------------------
     def generate(self, images: np.ndarray, max_length: int, batch_size: int = 16,
                  progress: Callable[[int], None] | None = None) -> DecodeResult:
         """Greedy decoding as :meth:`ModelAdapter.generate` does it (cap includes BOS, finished
         rows leave the batch), with the KV cache: one decoder step per new token."""
         all_ids: list[list[int]] = []
+        calls: list[int] = []
         enc_s = dec_s = 0.0
         for start in range(0, images.shape[0], batch_size):
             batch = images[start:start + batch_size]
             t0 = time.perf_counter()
             memory = self.encode(batch)
             t1 = time.perf_counter()
-            all_ids += self._greedy(memory, max_length)
+            if self.speculative and batch.shape[0] == 1:
+                before = self.spec_stats.calls
+                all_ids.append(self._speculative(memory, max_length))
+                calls.append(self.spec_stats.calls - before)
+            else:
+                read = self._greedy(memory, max_length)
+                all_ids += read
+                calls += [len(ids) for ids in read]
             dec_s += time.perf_counter() - t1
             enc_s += t1 - t0
             if progress is not None:
@@ -164,7 +221,7 @@ class OnnxPackage:
             interrupts.check()  # a signal a native callback swallowed ends the reading here
         steps = [len(ids) for ids in all_ids]
         capped = [not ids or ids[-1] != self.eos for ids in all_ids]
-        return DecodeResult(all_ids, [self.tokenizer.decode(i) for i in all_ids], enc_s, dec_s, steps, capped)
+        return DecodeResult(all_ids, [self.tokenizer.decode(i) for i in all_ids], enc_s, dec_s, steps, capped, calls)
 
     def layout_guard(self, vocab_size: int) -> LayoutGuard:
         """The package's cap on layout-only runs, for the decoder's ``vocab_size`` token ids."""
@@ -172,6 +229,15 @@ class OnnxPackage:
             self._guard = LayoutGuard.for_vocabulary(lambda i: self.tokenizer.decode([i]), vocab_size, self.eos,
                                                      self.layout_run_cap)
         return self._guard
+
+    def _speculative(self, memory: np.ndarray, max_length: int) -> list[int]:
+        """One image's reading, speculatively (``pipeline/decoding.py``): greedy's tokens."""
+        guard = None
+        if self.layout_run_cap:
+            guard = self.layout_guard(self._vocab())
+        return speculative_greedy(lambda ids: self.first(ids, memory), self.verify, self.drafter.propose,
+                                  self.bos, self.eos, self.banned, max_length, self.draft_len, guard,
+                                  self.spec_stats)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         n = memory.shape[0]

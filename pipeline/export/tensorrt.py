@@ -12,9 +12,11 @@ from pipeline.errors import PipelineError
 Shape = tuple[int, ...]
 
 
-def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
+def profiles(meta: dict, max_batch: int, opt_len: int, verify_tokens: int = 9
+             ) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
     """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
-    request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image."""
+    request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
+    ``decoder_verify`` 1..``verify_tokens`` new tokens (the last written + the drafts) at batch 1."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
@@ -36,6 +38,11 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
             out["decoder_step"][name] = kv(1, opt_len, max_len - 1)
         else:
             out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
+    if "decoder_verify" in meta["graphs"]:
+        out["decoder_verify"] = {"input_ids": ((1, 1), (1, verify_tokens), (1, verify_tokens))}
+        for name, shape in out["decoder_step"].items():
+            if name != "input_ids":
+                out["decoder_verify"][name] = tuple((1, *s[1:]) for s in shape)  # batch 1 only
     return out
 
 

@@ -180,13 +180,16 @@ def _split_heads(g: _Graph, name: str) -> Optional[tuple[str, int]]:
     return (reshape.output[0], heads) if heads else None
 
 
-def fuse_cached_attention(model: onnx.ModelProto) -> int:
+def fuse_cached_attention(model: onnx.ModelProto, causal: bool = False) -> int:
     """The decoder step's attention blocks -> ``MultiHeadAttention`` in place; returns how many.
 
     Self-attention: ``present = Concat(past, new K/V)`` and the score/context products become one
     node with ``past_key``/``past_value`` inputs and ``present_key``/``present_value`` outputs.
     Cross-attention: the cached K/V ([B, H, N, d], computed once by the first step) go in as they
     are, so the step no longer transposes the whole cross key (1024 x 256 per layer) every token.
+    ``causal`` (the verify graph: T new tokens after the past): the self-attention scores pass a
+    ``Where(mask, -inf, scores)`` whose mask is the causal one offset by the past (the graph's only
+    mask, kv_cache.py); it becomes ``unidirectional=1``, which ORT applies with the past's offset.
     """
     g = _Graph(model)
     outputs = {o.name for o in model.graph.output}
@@ -195,6 +198,12 @@ def fuse_cached_attention(model: onnx.ModelProto) -> int:
     drop: set[int] = set()
     for sm in [n for n in model.graph.node if n.op_type == "Softmax"]:
         scale_node = g.producer.get(sm.input[0])
+        masked = False
+        if causal and scale_node is not None and scale_node.op_type == "Where":
+            fill = g.const(scale_node.input[1])
+            if fill is None or fill.size != 1 or not np.isneginf(fill.reshape(-1)[0]):
+                continue
+            scale_node, masked = g.producer.get(scale_node.input[2]), True
         if scale_node is None or scale_node.op_type != "Mul":
             continue
         s = g.const(scale_node.input[1])
@@ -233,9 +242,9 @@ def fuse_cached_attention(model: onnx.ModelProto) -> int:
                                    [q3d, merge_heads(new_k[0], "k"), merge_heads(new_v[0], "v"), "", "", "",
                                     kcat.input[0], vcat.input[0]],
                                    [out, key, value], name=name, domain="com.microsoft", num_heads=heads,
-                                   scale=float(s.reshape(-1)[0]))
+                                   scale=float(s.reshape(-1)[0]), **({"unidirectional": 1} if masked else {}))
             drop.update({id(kcat), id(vcat)})
-        elif kcat is None and vcat is None:
+        elif kcat is None and vcat is None and not masked:
             # cross-attention on the cached encoder K/V (graph inputs, [B, H, N, d])
             mha = helper.make_node("MultiHeadAttention", [q3d, key, value], [out], name=name, domain="com.microsoft",
                                    num_heads=heads, scale=float(s.reshape(-1)[0]))

@@ -74,6 +74,10 @@ class BenchmarkConfig:
     timing_images: int = 64          # ... on the first N images, one package at a time
     memory: bool = True              # peak resident memory, one fresh process per variant
     memory_images: int = 8           # images that process reads (one batch)
+    greedy_rows: bool = True         # a package that decodes speculatively at batch 1 (it has a drafter) also as
+                                     # "<label> (greedy)": the same package, plain greedy (infer.speculative=false)
+    speculative_limit: Optional[int] = None  # formulas per split of the speculative check (batch 1: identical to
+                                     # greedy? decoder calls and ms); null = every formula of each split
     summary: bool = True             # write <artifacts>/summary.md and summary.json
     name: Optional[str] = None       # artifact folder; default "benchmark" (+ the job's tag in a multirun)
 
@@ -91,7 +95,7 @@ def _validate(cfg: BenchmarkConfig) -> None:
     if cfg.split in cfg.extra_splits or len(set(cfg.extra_splits)) != len(cfg.extra_splits):
         raise PipelineError(f"benchmark.extra_splits={list(cfg.extra_splits)}: each split once, and not the "
                             f"benchmark's own split {cfg.split!r}")
-    for key in ("eval_limit", "torch_limit"):
+    for key in ("eval_limit", "torch_limit", "speculative_limit"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise PipelineError(f"benchmark.{key} must be >= 1 or null, got {getattr(cfg, key)}")
 
@@ -179,16 +183,21 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     else:
         notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
     variants += [package_variant(label, f, threads) for label, f in folders.items()]
+    # the same package decoding plain greedy at batch 1: its batched passes are the speculative row's own
+    # (batches of more than one image decode greedy in both), so it shares that row's accuracy reading
+    twins = {f"{v.label} (greedy)": v for v in variants if v.package is not None and v.package.speculative} \
+        if cfg.greedy_rows else {}
+    variants += [package_variant(label, Path(v.location), threads, speculative=False) for label, v in twins.items()]
 
     # accuracy + images/s: one batched pass each; the torch decoders are slow, so they read the first
     # full_prefix_limit / torch_limit images (the KV-cached one gives the full prefix's tokens)
     limits = {TORCH: cfg.full_prefix_limit, TORCH_KV: cfg.torch_limit}
     reads = {}
     bar = tqdm(total=len(variants), desc="accuracy", disable=not ctx.progress)
-    packages = [v for v in variants if v.kind == PACKAGE]
+    packages = [v for v in variants if v.kind == PACKAGE and v.label not in twins]
     together = packages if cfg.workers > 1 and len(packages) > 1 else []
     for v in variants:  # the torch variants (and every variant with workers=1): alone on the machine
-        if v not in together:
+        if v not in together and v.label not in twins:
             k = min(limits.get(v.kind) or len(truths), len(truths))
             reads[v.label] = measure.accuracy(v, images[:k], truths[:k], max_length, cfg.batch_size)
             bar.update()
@@ -206,19 +215,33 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     else:
         lap("accuracy")
     bar.close()
+    for label, v in twins.items():
+        reads[label] = reads[v.label]
+    if twins:
+        notes.append(f"{', '.join(twins)}: the same package{'s' if len(twins) > 1 else ''} decoding plain greedy at "
+                     f"batch 1 (benchmark.greedy_rows); batched passes decode greedy in both rows: the accuracy, "
+                     f"images/s and batched ms are the speculative row's")
     other = {}  # split -> label -> reading: the packages only (the torch variants read the main split)
     other_truths: dict[str, list[str]] = {}
+    split_images = {cfg.split if not cfg.formulas else "formulas": images}
     for name, split_formulas in extra.items():
         x_images, x_truths = _render(adapter, split_formulas, cfg.eval_limit, ctx.progress)
         other_truths[name] = x_truths
+        split_images[name] = x_images
         bar = tqdm(total=len(packages), desc=f"accuracy ({name})", disable=not ctx.progress)
         other[name] = measure.accuracy_parallel(packages, x_images, x_truths, max_length, cfg.batch_size,
                                                 cfg.workers, bar.update)
         bar.close()
     if other:
+        for name, r2 in other.items():
+            for label, v in twins.items():
+                r2[label] = r2[v.label]
         notes.append(f"split(s) {', '.join(other)}: the packages only (exact match and CER); the original model's "
                      f"reading there is its float package's (token-identical to torch in export's parity check)")
         lap("other splits")
+    spec = _speculative(cfg, ctx, twins, variants, split_images, max_length)
+    if spec:
+        lap("speculative check")
     reference = reads[variants[1].label] if len(variants) > 1 and variants[1].kind == TORCH_KV else reads[shipped.label]
     for v in variants[:2]:
         if reads[v.label]["n"] < len(truths):
@@ -310,21 +333,41 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                "n_formulas": len(truths), "source": f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'",
                "max_length": max_length, "threads": threads, "batch_size": cfg.batch_size,
                "latency_images": lat[shipped.label]["n"], "extra_splits": list(other), "variants": rows, "serving": serving, "notes": notes,
+               "speculative": spec,
                "phase_seconds": phases.seconds}
     (folder / "benchmark.json").write_text(json.dumps(metrics, indent=2) + "\n")
     with open(folder / "predictions.jsonl", "w", encoding="utf-8") as f:
         for i, truth in enumerate(truths):
             f.write(json.dumps({"truth": truth, **{v.label: reads[v.label]["texts"][i] for v in variants
-                                                   if i < reads[v.label]["n"]}}, ensure_ascii=False) + "\n")
+                                                   if i < reads[v.label]["n"] and v.label not in twins}},
+                               ensure_ascii=False) + "\n")
     for name, readings in other.items():  # the other splits' readings too: paired comparisons need them
         with open(folder / f"predictions-{name}.jsonl", "w", encoding="utf-8") as f:
             for i, truth in enumerate(other_truths[name]):
-                f.write(json.dumps({"truth": truth, **{label: r["texts"][i] for label, r in readings.items()}},
+                f.write(json.dumps({"truth": truth, **{label: r["texts"][i] for label, r in readings.items()
+                                                       if label not in twins}},
                                    ensure_ascii=False) + "\n")
     summary.pareto_plot(folder / "pareto.png", rows, f"{len(truths)} formulas, {threads} thread(s), "
                                                      f"cap {max_length}: images/s vs exact match")
     _write_report(folder, metrics)
     return metrics
+
+
+def _speculative(cfg: BenchmarkConfig, ctx: StageContext, twins: dict[str, Variant], variants: list[Variant],
+                 split_images: dict[str, np.ndarray], max_length: int) -> dict:
+    """Each package with a drafter, speculative against its own plain greedy at batch 1, on every split."""
+    out: dict[str, dict] = {}
+    plain = {v.label: v for v in variants}
+    for label, fast in twins.items():
+        meta = fast.package.meta
+        drafter = json.loads((Path(fast.location) / meta["drafter"]).read_text())
+        out[fast.label] = {"drafter": drafter.get("kind"), "draft_len": drafter.get("draft_len"), "splits": {}}
+        for split, imgs in split_images.items():
+            k = len(imgs) if cfg.speculative_limit is None else min(cfg.speculative_limit, len(imgs))
+            bar = tqdm(total=k, desc=f"speculative check {fast.label} ({split})", disable=not ctx.progress)
+            out[fast.label]["splits"][split] = measure.speculative(fast, plain[label], imgs[:k], max_length, bar.update)
+            bar.close()
+    return out
 
 
 def _evaluate_note(ctx: StageContext, model: str, max_length: int) -> Optional[tuple[str, str]]:
@@ -403,6 +446,23 @@ def _write_report(folder: Path, m: dict) -> None:
                                f"{v.get('decoder_ms_per_formula', 0):.1f}",
                                f"{v['latency']['encoder_p50_ms']:.1f}" if "encoder_p50_ms" in v["latency"] else "–"]
                               for v in m["variants"]]), ""]
+    if m.get("speculative"):
+        lines += ["## Speculative decoding", "", "Each package with a drafter reads every split at batch 1 twice, "
+                  "image by image in turn: speculatively (its drafter proposes, `decoder_verify` checks the drafts "
+                  "in one call) and plain greedy (`decoder_step`, one call a token). Identical: the share of "
+                  "formulas whose tokens are the same in both (by construction 1). Decoder calls include the "
+                  "first; decoder ms per formula from the same reads.", "",
+                  markdown_table(["package", "drafter", "split", "n", "identical", "decoder calls / formula",
+                                  "greedy calls / formula", "calls ratio", "accepted / verify call",
+                                  "decoder ms / formula", "greedy decoder ms", "decoder ms ratio"],
+                                 [[label, f"{s['drafter']} (k={s['draft_len']})", split, r["n"],
+                                   f"{r['identical']:.3f}", f"{r['calls_per_formula']:.1f}",
+                                   f"{r['greedy_calls_per_formula']:.1f}",
+                                   f"{r['greedy_calls_per_formula'] / max(r['calls_per_formula'], 1e-9):.2f}x",
+                                   f"{r['accepted_per_verify']:.2f}", f"{r['decoder_ms_per_formula']:.1f}",
+                                   f"{r['greedy_decoder_ms_per_formula']:.1f}",
+                                   f"{r['greedy_decoder_ms_per_formula'] / max(r['decoder_ms_per_formula'], 1e-9):.2f}x"]
+                                  for label, s in m["speculative"].items() for split, r in s["splits"].items()]), ""]
     lines += ["## Where each variant is", "",
               markdown_table(["variant", "kind", "location"], [[v["label"], v["kind"], f"`{v['location']}`"]
                                                                 for v in m["variants"]]), ""]

@@ -23,6 +23,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError, optional_part
 from pipeline.files import read_formulas
+from pipeline.export import drafter as spec
 from pipeline.export import tensorrt as trt_build
 from pipeline.export.package import build_graphs, write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
@@ -72,6 +73,13 @@ class ExportConfig:
                                          # quantize.original's artifact when it exists); stage=all: on
     chain_baseline: bool = True          # with baselines: also the chain's model in float (-float-chain: what
                                          # quantization alone changes); stage=all: off (a comparison), thorough: on
+    # speculative decoding (docs/export.md): the package's drafter, checked against its plain greedy readings
+    drafter: str = "ngram"               # ngram (the package's own readings of train formulas) | bpe (stage
+                                         # tokenizer's formula BPE) | none (plain greedy only; the baselines)
+    draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written)
+    draft_images: int = 256              # train formulas the package reads to build the ngram drafter
+    ngram_order: int = 8                 # longest context (tokens) the ngram drafter keys on
+    ngram_min_count: int = 2             # a context must be seen this often to propose
 
 
 Config = ExportConfig
@@ -94,7 +102,8 @@ QUANTIZED_ENCODERS = {"ort_cpu": "encoder.ort_cpu.qdq.onnx", "tensorrt": "encode
 
 # ort_cpu's INT8 decoders (ORT dynamic quantization), when the plan has them
 QUANTIZED_DECODERS = {"ort_cpu": {"decoder_first": "decoder_first.ort_cpu.int8.onnx",
-                                  "decoder_step": "decoder_step.ort_cpu.int8.onnx"}}
+                                  "decoder_step": "decoder_step.ort_cpu.int8.onnx",
+                                  "decoder_verify": "decoder_verify.ort_cpu.int8.onnx"}}
 
 
 def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
@@ -150,16 +159,19 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
+    _check_drafter(cfg)
     references: dict = {}  # torch's parity reading per (model, formulas, cap, batch): once for all targets
+    drafts: dict = {}      # the drafter's readings per (model, formulas, cap): once for all targets
     if not cfg.targets:
-        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, baselines=False), ctx, ctx.cfg.target, references)}
+        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, baselines=False), ctx, ctx.cfg.target, references,
+                                                   drafts)}
     else:
         manifests = {}
         for name in cfg.targets:
             one = replace(cfg, targets=[], baselines=False, name=f"{cfg.name}-{name}" if cfg.name else None)
             others = [t for t in cfg.targets if t != name]
             with optional_part(f"export target {name}", f"export.targets=[{','.join(others)}]"):
-                manifests[name] = _run_one(one, ctx, target_config(name), references)
+                manifests[name] = _run_one(one, ctx, target_config(name), references, drafts)
     if cfg.baselines:
         with optional_part("export.baselines (the packages the benchmark compares with)", "export.baselines=false"):
             manifests.update(_baselines(cfg, ctx, references))
@@ -174,8 +186,10 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
     limit = cfg.parity_limit if cfg.baseline_parity_limit is None else cfg.baseline_parity_limit
 
     def one(model: str, quantized: str, name: str) -> dict:
+        # the baselines decode plain greedy (no drafter): the packages a user has without this tool
         return _run_one(replace(cfg, model=model, quantized=quantized, qdq_encoder=None, name=name, targets=[],
-                                baselines=False, parity_limit=limit), ctx, target_config("ort_cpu"), references)
+                                baselines=False, parity_limit=limit, drafter="none"), ctx, target_config("ort_cpu"),
+                        references)
 
     chain_model = ctx.chain_model(cfg.model, ctx.chain_upstream())
     origin = ctx.chain_origin(chain_model)  # the model prune started from: the shipped one by default
@@ -207,7 +221,46 @@ def _reference(references: dict, key: tuple):
     return None
 
 
-def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None) -> dict:
+def _check_drafter(cfg: ExportConfig) -> None:
+    if cfg.drafter not in spec.KINDS:
+        raise PipelineError(f"export.drafter: unknown {cfg.drafter!r}; known: {', '.join(spec.KINDS)}")
+    for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):
+        if int(getattr(cfg, key)) < 1:
+            raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
+
+
+def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage, folder: Path, model_key: str,
+             drafts: dict) -> dict:
+    """Build the package's drafter, write it into ``folder``; returns where it came from."""
+    mcfg = ctx.cfg.model
+    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
+    if cfg.drafter == "bpe":
+        tok = ctx.stage_folder("tokenizer") / "tokenizer.json"
+        if not tok.is_file():
+            raise PipelineError(f"export.drafter=bpe needs stage tokenizer's formula BPE ({tok}): run stage=tokenizer")
+        drafter = spec.build("bpe", package, None, cfg.ngram_order, cfg.ngram_min_count, spec.bpe_pieces(tok))
+        source = {"pieces": str(tok), "sha256": file_hash(tok), "completions": len(drafter.completions)}
+    else:
+        train = [(f.id, f.latex) for f in ctx.split("train")]
+        key = (model_key, tuple(i for i, _ in train[:cfg.draft_images]), max_length)
+        if key not in drafts:  # the package's own plain greedy readings; the next target of the model reuses them
+            items = render_inputs(train, adapter.preprocess, cfg.draft_images, ctx.progress, "export drafter")
+            if not items:
+                raise PipelineError("export.drafter=ngram: no train formula could be rendered")
+            images = torch.stack([x[2] for x in items]).numpy()
+            drafts[key] = (package.generate(images, max_length=max_length, batch_size=batch_size).token_ids,
+                           folder.name)
+        readings, read_by = drafts[key]
+        drafter = spec.build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None)
+        source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
+                  "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "contexts": len(drafter.table)}
+    spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
+    return source
+
+
+
+def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None,
+             drafts: Optional[dict] = None) -> dict:
     target = resolve_target(tcfg)
     if cfg.parity_images < 1:
         raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
@@ -272,6 +325,19 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         references[key] = tokens.reference
         finetuned = _finetuned(qdq_path)
         failures = check_tolerances(tensors, tokens, **tol, finetuned=finetuned)
+        speculative = None
+        if cfg.drafter != "none" and "decoder_verify" not in meta["graphs"]:
+            log.warning(f"[export] {name}: no speculative decoding: stage quantize's INT8 decoders predate the "
+                        f"verify graph (run stage=quantize again for it)")
+        elif cfg.drafter != "none" and not failures:
+            source = _drafter(cfg, ctx, adapter, package, out.path, inputs["model"], {} if drafts is None else drafts)
+            speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
+                           **spec.check(out.path, torch.stack([x[2] for x in eval_items]).numpy(), tokens.package_ids,
+                                        max_length, int(mcfg.threads or 0))}
+            if speculative["identical"] < 1.0:
+                failures.append(f"speculative decoding: identical to the package's greedy readings on "
+                                f"{speculative['identical']:.3f} of {speculative['n']} formulas < 1 "
+                                f"(export.drafter=none ships plain greedy)")
         # engines only for a package that passed parity (a build takes minutes and ships what failed)
         engines = None
         if target.name == "tensorrt":
@@ -283,7 +349,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
                    "tokens": tokens.as_dict(), "eval_source": eval_source,
                    "parity_limit": cfg.parity_limit, "eval_available": len(evals), "max_length": max_length,
                    "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
-                   "tensorrt": engines}
+                   "tensorrt": engines, "speculative": speculative}
         (out.path / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
         with open(out.path / "parity_rows.jsonl", "w", encoding="utf-8") as f:
             for row in tokens.rows:
@@ -320,7 +386,7 @@ def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, fail
 def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
     from pipeline.export.onnx_graphs import has_qdq
 
-    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length)
+    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length, cfg.draft_len + 1)
     lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
     for g, m in built.models.items():
         lines.append(trt_build.trtexec_command(f"{g}.onnx", f"{g}.plan", shapes[g], int8=has_qdq(m)))
@@ -346,3 +412,8 @@ def _print_summary(m: dict, name: str, model_ref: str) -> None:
     log.info(f"[export] {name} (model {model_ref}): identical greedy tokens {t['identical']:.3f} of {t['n']} "
              f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
              f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB")
+    s = m.get("speculative")
+    if s:
+        log.info(f"[export] {name}: speculative decoding ({s['drafter']} drafter, {s['draft_len']} drafts a call) "
+                 f"identical to greedy on {s['identical']:.3f} of {s['n']} formulas; {s['calls_per_reading']} decoder "
+                 f"calls a reading for {s['tokens_per_reading']} tokens ({s['tokens_per_call']} a call)")

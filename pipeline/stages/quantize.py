@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 QDQ_ENCODER = "encoder.qdq.onnx"              # plain ops + Q/DQ: TensorRT, Metax
 QDQ_ENCODER_ORT = "encoder.ort_cpu.qdq.onnx"  # ONNX Runtime fusions + Q/DQ: ort_cpu
 DECODERS = {"decoder_first": "decoder_first.ort_cpu.int8.onnx",  # ort_cpu: INT8 weights, dynamic activations
-            "decoder_step": "decoder_step.ort_cpu.int8.onnx"}
+            "decoder_step": "decoder_step.ort_cpu.int8.onnx",
+            # speculative decoding's check of drafted tokens: the step's plan, weight for weight
+            "decoder_verify": "decoder_verify.ort_cpu.int8.onnx"}
 
 
 @dataclass
@@ -603,8 +605,9 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
 
     mm = {}
     for g in DECODERS:
-        mm[g] = scratch / f"{g}.matmul.onnx"
-        onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
+        if (graphs.package_dir / f"{g}.onnx").is_file():
+            mm[g] = scratch / f"{g}.matmul.onnx"
+            onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
     step_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_step"])))
     first_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_first"])))
 
@@ -660,6 +663,10 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         k = _smallest_within(loss_with_float, len(order), cfg.budget, progress)
         int8 = order[k:]
     final = made(int8, "final")
+    if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
+        final["decoder_verify"] = scratch / "decoder_verify.final.onnx"
+        qdec.quantize(mm["decoder_verify"], final["decoder_verify"],
+                      qdec.same_plan(step_nodes, qdec.weight_nodes(onnx.load(str(mm["decoder_verify"]))), int8))
     r = by_plan.get(tuple(int8)) or reading(final)  # the search read this very plan already
     plan.decoder = "int8" if int8 else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}

@@ -1,0 +1,152 @@
+"""Drafters for speculative greedy decoding: cheap guesses of the next tokens a reading will write.
+
+A drafter proposes up to ``k`` tokens after the tokens written so far (BOS first); the package's
+``decoder_verify`` graph checks them all in one call and greedy's own choice decides
+(``pipeline/decoding.py: speculative_greedy``), so a drafter changes how many decoder calls a reading
+takes, never what it reads. Each drafter is one JSON file in the package (``drafter.json``),
+built by stage export from artifacts the chain already makes (never from the eval or shift splits):
+
+- ``ngram``: what the model itself writes after the last ``n`` tokens, counted over its own greedy
+  readings of train formulas (the display wrapper, the rest of ``\\frac{``, closing braces ...);
+  the longest context seen at least ``min_count`` times decides, and the proposal chains.
+- ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
+  the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
+
+No torch and no other module of this project here: the package runtime loads it, and so does
+``tests/macart_decode.py`` (the ONNX Runtime 1.12 venv), by file path. :data:`DRAFTERS` is the
+registry; :func:`load` reads a ``drafter.json``.
+"""
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+FORMAT = "formula-compress drafter v1"
+
+
+class NgramDrafter:
+    """Next token by the longest matching context of up to ``order`` tokens, chained ``k`` times."""
+
+    kind = "ngram"
+
+    def __init__(self, order: int, table: dict[tuple[int, ...], int]):
+        if order < 1:
+            raise ValueError(f"the n-gram order must be at least 1, got {order}")
+        self.order = int(order)
+        self.table = table
+
+    @classmethod
+    def build(cls, readings: Iterable[Sequence[int]], bos: int, order: int = 8, min_count: int = 2) -> "NgramDrafter":
+        """From token sequences as the model writes them (no BOS; EOS kept so the drafter proposes
+        the end too): for each context of 1..``order`` tokens (BOS included) seen ``min_count`` times
+        or more, its most frequent next token (ties: the smaller id)."""
+        if min_count < 1:
+            raise ValueError(f"min_count must be at least 1, got {min_count}")
+        counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
+        for ids in readings:
+            seq = [int(bos), *map(int, ids)]
+            for i in range(1, len(seq)):
+                for n in range(1, min(order, i) + 1):
+                    counts[tuple(seq[i - n:i])][seq[i]] += 1
+        table = {}
+        for ctx, c in counts.items():
+            tok, count = min(c.items(), key=lambda kv: (-kv[1], kv[0]))
+            if count >= min_count:
+                table[ctx] = tok
+        return cls(order, table)
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        work = list(ids[-self.order:])
+        out: list[int] = []
+        while len(out) < k:
+            nxt = None
+            for n in range(min(self.order, len(work)), 0, -1):
+                nxt = self.table.get(tuple(work[-n:]))
+                if nxt is not None:
+                    break
+            if nxt is None:
+                break
+            out.append(nxt)
+            work.append(nxt)
+        return out
+
+    def to_json(self) -> dict:
+        return {"order": self.order, "table": {" ".join(map(str, k)): v for k, v in sorted(self.table.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict, **_) -> "NgramDrafter":
+        return cls(int(data["order"]), {tuple(int(t) for t in k.split()): int(v) for k, v in data["table"].items()})
+
+
+class BpeDrafter:
+    """The rest of the formula-BPE piece the text so far ends in the start of, spelled in the
+    decoder's vocabulary (``token_texts``: what each token id writes; single characters here)."""
+
+    kind = "bpe"
+
+    def __init__(self, completions: dict[str, str], token_texts: Sequence[str]):
+        self.completions = completions
+        self.longest = max((len(p) for p in completions), default=0)
+        self.spell = {t: i for i, t in enumerate(token_texts) if t}
+        self.texts = list(token_texts)
+
+    @classmethod
+    def build(cls, pieces: Sequence[str], token_texts: Sequence[str]) -> "BpeDrafter":
+        """``pieces`` most frequent first (BPE merge order); a piece's every proper prefix is mapped
+        to the rest of the first piece that starts with it and can be spelled in the vocabulary."""
+        spell = {t for t in token_texts if t}
+        completions: dict[str, str] = {}
+        for piece in pieces:
+            if len(piece) < 2 or not all(c in spell for c in piece):
+                continue
+            for i in range(1, len(piece)):
+                completions.setdefault(piece[:i], piece[i:])
+        return cls(completions, token_texts)
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        text = "".join(self.texts[i] if 0 <= i < len(self.texts) else "" for i in ids[-self.longest:])
+        for n in range(min(self.longest, len(text)), 0, -1):
+            rest = self.completions.get(text[-n:])
+            if rest is not None:
+                return [self.spell[c] for c in rest[:k]]
+        return []
+
+    def to_json(self) -> dict:
+        return {"completions": dict(sorted(self.completions.items()))}
+
+    @classmethod
+    def from_json(cls, data: dict, token_texts: Sequence[str] = (), **_) -> "BpeDrafter":
+        return cls(dict(data["completions"]), token_texts)
+
+
+DRAFTERS: dict[str, type] = {"ngram": NgramDrafter, "bpe": BpeDrafter}
+
+
+def save(drafter, path: Path, draft_len: int, source: dict) -> None:
+    """``drafter.json``: the kind, how many tokens a call checks, where it was built from, the table."""
+    payload = {"format": FORMAT, "kind": drafter.kind, "draft_len": int(draft_len), "source": source,
+               **drafter.to_json()}
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, ensure_ascii=False, separators=(",", ":")))
+    tmp.replace(path)
+
+
+def load(path: Path, token_texts: Sequence[str] = ()) -> tuple[object, int]:
+    """The drafter of a ``drafter.json`` and its draft length; a wrong file is a ``ValueError``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"drafter {path}: unreadable ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"drafter {path}: not a {FORMAT!r} file")
+    kind = data.get("kind")
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter {path}: unknown kind {kind!r}; known: {', '.join(DRAFTERS)}")
+    draft_len = data.get("draft_len")
+    if not isinstance(draft_len, int) or draft_len < 1:
+        raise ValueError(f"drafter {path}: draft_len must be an integer >= 1, got {draft_len!r}")
+    return DRAFTERS[kind].from_json(data, token_texts=token_texts), draft_len
+
+

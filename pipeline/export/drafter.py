@@ -1,0 +1,73 @@
+"""A package's drafter for speculative decoding (``pipeline/drafting.py``): built from the package's
+own greedy readings of train formulas (or the formula BPE of stage tokenizer), written into the
+package, and checked: the package's speculative readings must be its plain greedy readings."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline import drafting
+from pipeline.errors import PipelineError
+from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+
+DRAFTER_FILE = "drafter.json"
+KINDS = ("none", *drafting.DRAFTERS)
+
+
+def bpe_pieces(tokenizer_json: Path) -> list[str]:
+    """The pieces of a formula BPE (HF ``tokenizers`` JSON), most frequent first: each merge's result
+    in merge order (the trainer merges the most frequent pair first)."""
+    try:
+        model = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))["model"]
+        merges = model["merges"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise PipelineError(f"export.drafter=bpe: {tokenizer_json} is not a BPE tokenizer file ({exc})") from None
+    return ["".join(m.split(" ", 1) if isinstance(m, str) else m) for m in merges]
+
+
+def token_texts(package: OnnxPackage) -> list[str]:
+    return [package.tokenizer.decode([i]) for i in range(package._vocab())]
+
+
+def build(kind: str, package: OnnxPackage, readings: Sequence[Sequence[int]] | None, order: int, min_count: int,
+          pieces: Sequence[str] | None):
+    if kind == "ngram":
+        return drafting.NgramDrafter.build(readings or [], package.bos, order=order, min_count=min_count)
+    if kind == "bpe":
+        return drafting.BpeDrafter.build(pieces or [], token_texts(package))
+    raise PipelineError(f"export.drafter: unknown {kind!r}; known: {', '.join(KINDS)}")
+
+
+def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
+    """Write ``drafter.json`` into the package and name it in ``package.json``."""
+    drafting.save(drafter, folder / DRAFTER_FILE, draft_len, source)
+    meta_path = folder / PACKAGE_META
+    meta = json.loads(meta_path.read_text())
+    meta["drafter"] = DRAFTER_FILE
+    meta["decoding_speculative"] = (
+        "batch 1 with a drafter: decoder_verify checks the last written token and up to draft_len drafted "
+        "tokens in one call (logits after each); greedy's choice (bans, layout cap) is taken at every "
+        "position, drafts are accepted while they equal it, the first that differs is written too, and the "
+        "present K/V is cut to the tokens written: token for token greedy's reading")
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], max_length: int, threads: int
+          ) -> dict:
+    """The package's speculative readings of ``images`` (batch 1) against its plain greedy ones: the
+    share identical (must be 1), decoder calls and tokens per reading, accepted drafts per call."""
+    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
+    if not package.speculative:
+        raise PipelineError(f"package {folder}: no drafter to check")
+    started = time.perf_counter()
+    got = package.generate(images, max_length=max_length, batch_size=1)
+    same = [list(a) == list(b) for a, b in zip(got.token_ids, plain_ids)]
+    stats = package.spec_stats.as_dict()
+    return {"n": len(same), "identical": float(np.mean(same)) if same else 1.0,
+            "differing": [i for i, s in enumerate(same) if not s], "seconds": round(time.perf_counter() - started, 1),
+            **{k: stats[k] for k in ("calls_per_reading", "tokens_per_reading", "tokens_per_call",
+                                     "accepted_per_verify", "acceptance")}}

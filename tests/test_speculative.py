@@ -1,0 +1,158 @@
+"""Speculative greedy decoding (pipeline/decoding.py, pipeline/drafting.py): token for token what
+plain greedy writes, whatever the drafter proposes, in fewer decoder calls when it proposes well.
+
+The loop is checked first against a toy decoder in numpy whose next token depends on the whole
+prefix (the K/V cache holds the tokens themselves, so a cache cut to the wrong length changes
+what it writes); then on a tiny exported package (tests/test_speculative_package.py)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline import drafting
+from pipeline.decoding import LayoutGuard, SpeculativeStats, speculative_greedy
+
+VOCAB, BOS, EOS, PAD = 12, 1, 2, 0
+TEXTS = ["", "", "", "a", "b", "c", "\\", ",", "&", "x", "y", "}"]  # ids 0-2: pad, BOS, EOS
+
+
+class ToyDecoder:
+    """Logits after a prefix: a fixed pseudo-random function of the last three tokens and the length,
+    EOS likelier as the prefix grows. ``past``: the prefix itself as [1, 1, P, 1]."""
+
+    def __init__(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.table = rng.standard_normal((VOCAB, VOCAB, VOCAB, VOCAB)).astype(np.float32)
+        self.calls = 0
+
+    def logits_after(self, prefix: list[int]) -> np.ndarray:
+        a, b, c = ([0, 0] + prefix)[-3:]
+        row = self.table[a, b, c].copy()
+        row[EOS] += 0.15 * len(prefix) - 2.0
+        return row
+
+    def first(self, ids: np.ndarray):
+        self.calls += 1
+        prefix = ids[0].tolist()
+        return self.logits_after(prefix)[None], [np.asarray(prefix, np.float32).reshape(1, 1, -1, 1)], []
+
+    def verify(self, ids: np.ndarray, past: list, cross: list):
+        self.calls += 1
+        prefix = past[0].reshape(-1).astype(int).tolist()
+        rows = []
+        for t in ids[0].tolist():
+            prefix.append(t)
+            rows.append(self.logits_after(prefix))
+        return np.stack(rows)[None], [np.asarray(prefix, np.float32).reshape(1, 1, -1, 1)]
+
+    def greedy(self, max_length: int, guard: LayoutGuard | None = None) -> list[int]:
+        """Plain greedy, one call a token (the reference)."""
+        texts, prefix, out = [""], [BOS], []
+        logits = self.first(np.asarray([[BOS]]))[0][0]
+        while len(out) < max_length - 1:
+            row = logits.copy()
+            row[[PAD, BOS]] = -np.inf
+            tok = int(row.argmax())
+            if guard is not None:
+                tok = guard.step(row[None], [tok], texts)[0]
+            out.append(tok)
+            prefix.append(tok)
+            if tok == EOS:
+                break
+            logits = self.logits_after(prefix)
+        return out
+
+
+def oracle(truth: list[int]):
+    """A drafter that knows the reading: proposes exactly its next tokens."""
+    def propose(ids, k):
+        n = len(ids) - 1
+        return truth[n:n + k]
+    return propose
+
+
+def wrong(truth: list[int]):
+    """A drafter that always proposes a token greedy does not write next."""
+    def propose(ids, k):
+        n = len(ids) - 1
+        nxt = truth[n] if n < len(truth) else EOS
+        return [3 if nxt != 3 else 4] * k
+    return propose
+
+
+def noisy(seed: int):
+    rng = np.random.default_rng(seed)
+    return lambda ids, k: rng.integers(0, VOCAB, size=int(rng.integers(0, k + 1))).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("cap", [0, 2])
+def test_speculative_is_greedy_token_for_token_whatever_the_drafter(seed, k, cap):
+    toy = ToyDecoder(seed)
+    guard = LayoutGuard.for_vocabulary(TEXTS.__getitem__, VOCAB, EOS, cap) if cap else None
+    for max_length in (2, 5, 40):
+        want = toy.greedy(max_length, LayoutGuard(TEXTS, EOS, cap) if cap else None)
+        for name, propose in (("oracle", oracle(want)), ("wrong", wrong(want)), ("noisy", noisy(seed)),
+                              ("none", lambda ids, kk: [])):
+            stats = SpeculativeStats()
+            got = speculative_greedy(toy.first, toy.verify, propose, BOS, EOS, [PAD, BOS], max_length, k,
+                                     LayoutGuard(TEXTS, EOS, cap) if guard else None, stats)
+            assert got == want, (name, max_length)
+            assert stats.tokens == len(want)
+            if name in ("wrong", "none"):  # one call a token, as plain greedy
+                assert stats.calls == max(1, len(want)) and stats.accepted == 0
+            if name == "oracle" and want:
+                # the first call writes one token; each verify call then writes k + 1 (k accepted + its own)
+                assert stats.calls == 1 + -(-(len(want) - 1) // (k + 1))
+
+
+def test_k_equal_1_and_the_stats():
+    toy = ToyDecoder(3)
+    want = toy.greedy(40)
+    stats = SpeculativeStats()
+    assert speculative_greedy(toy.first, toy.verify, oracle(want), BOS, EOS, [PAD, BOS], 40, 1,
+                              stats=stats) == want
+    d = stats.as_dict()
+    assert d["readings"] == 1 and d["tokens"] == len(want)
+    assert 0 < d["accepted"] <= d["drafted"] and d["verify_calls"] == stats.calls - 1
+    assert d["tokens_per_call"] == round(len(want) / stats.calls, 2)
+
+
+def test_ngram_drafter_learns_what_the_model_writes_and_round_trips(tmp_path):
+    wrapper = [3, 4, 5, 6, 7]  # a prefix every reading starts with
+    readings = [wrapper + [9, 10, 11, EOS], wrapper + [9, 9, 11, EOS], wrapper + [10, 11, EOS]]
+    d = drafting.NgramDrafter.build(readings, BOS, order=4, min_count=2)
+    assert d.propose([BOS], 5) == wrapper                       # the wrapper after BOS
+    assert d.propose([BOS, 3, 4], 3) == [5, 6, 7]
+    assert d.propose([BOS, *wrapper, 9], 2) == []                # 9 was followed by 10, 9 and 11 once each
+    assert d.propose([BOS, *wrapper, 10, 11], 2) == [EOS]        # 11 always ended the reading
+    assert d.propose([8, 8, 8], 3) == []                         # an unseen context proposes nothing
+    drafting.save(d, tmp_path / "drafter.json", 6, {"test": True})
+    back, draft_len = drafting.load(tmp_path / "drafter.json")
+    assert draft_len == 6 and back.table == d.table and back.order == 4
+    with pytest.raises(ValueError):
+        drafting.NgramDrafter.build(readings, BOS, order=0)
+
+
+def test_bpe_drafter_completes_a_piece():
+    texts = ["", "", ""] + list("\\frac{}ab")
+    d = drafting.BpeDrafter.build(["\\frac{", "ab", "\\f"], texts)
+    ids = {t: i for i, t in enumerate(texts) if t}
+    assert d.propose([BOS, ids["\\"], ids["f"]], 8) == [ids[c] for c in "rac{"]
+    assert d.propose([BOS, ids["a"]], 8) == [ids["b"]]
+    assert d.propose([BOS, ids["}"]], 8) == []
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ("not json", "unreadable"),
+    (json.dumps({"format": "other"}), "not a"),
+    (json.dumps({"format": drafting.FORMAT, "kind": "magic", "draft_len": 4}), "unknown kind 'magic'"),
+    (json.dumps({"format": drafting.FORMAT, "kind": "ngram", "draft_len": 0}), "draft_len"),
+])
+def test_a_broken_drafter_file_is_one_clear_error(tmp_path, payload, needle):
+    (tmp_path / "drafter.json").write_text(payload)
+    with pytest.raises(ValueError, match=needle):
+        drafting.load(tmp_path / "drafter.json")
