@@ -38,6 +38,13 @@ def test_infer_cli_reads_rendered_formulas_with_the_package_alone(pkg, image_dir
     for line, truth in zip(lines, FORMULAS):
         assert normalize(line.split("\t", 1)[1]) == normalize(truth), line
     assert lines[0] in proc.stdout
+    assert "speculative, " in proc.stdout + proc.stderr  # the package has a drafter: image by image
+    plain = tmp_path / "plain.tsv"
+    proc = run_cli("stage=infer", f"infer.package={pkg}", f"infer.image={image_dir}", f"infer.output={plain}",
+                   "infer.speculative=false", "progress=false")
+    assert proc.returncode == 0, proc.stderr
+    assert "greedy, batch 8" in proc.stdout + proc.stderr
+    assert plain.read_text(encoding="utf-8") == out.read_text(encoding="utf-8")
 
 
 def test_runner_batched_equals_single_and_torch(pkg, image_dir, real_adapter):

@@ -165,6 +165,9 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
                       f"{split}: identical on {r['identical']:.3f} of {r['n']}, decoder calls "
                       f"{r['greedy_calls_per_formula'] / max(r['calls_per_formula'], 1e-9):.2f}x fewer, decoder ms "
                       f"{r['greedy_decoder_ms_per_formula'] / max(r['decoder_ms_per_formula'], 1e-9):.2f}x lower"
+                      + (f", end to end {r['baseline_ms_per_formula'] / max(r['ms_per_formula'], 1e-9):.2f}x "
+                         f"`{r['baseline']}` ({r['baseline_ms_per_formula'] / max(r['greedy_ms_per_formula'], 1e-9):.2f}x "
+                         f"decoding greedy)" if "baseline" in r else "")
                       for split, r in spec["splits"].items()) + ".", ""]
     lines += [f"![Pareto]({rel}/pareto.png)", "", "## Packages", ""]
     lines += [f"- {p['label']}: `{p['folder']}` (model {p['model'] or '?'}, precision "

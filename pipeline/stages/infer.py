@@ -27,7 +27,9 @@ class InferConfig:
     package: Optional[str] = None      # exported package folder, or an export stage's name under the root
     image: Optional[str] = None        # an image file, or a folder of images
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
-    batch_size: int = 8
+    batch_size: int = 8                # images a decoder call reads (plain greedy); with speculative: 1
+    speculative: bool = True           # a package with a drafter reads image by image, speculatively (token for
+                                       # token its greedy reading, fewer decoder calls); false: plain greedy, batched
     threads: int = 0                   # ONNX Runtime intra-op threads; 0 = its default
     output: Optional[str] = None       # also write "<file>\t<latex>" lines here
 
@@ -57,7 +59,7 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
     paths = image_paths(cfg.image)
     if cfg.output:  # before the work, not after it
         files.check_output_file(cfg.output, "infer.output")
-    package = OnnxPackage(folder, threads=cfg.threads)
+    package = OnnxPackage(folder, threads=cfg.threads, speculative=cfg.speculative)
     if cfg.max_length is not None:
         check_max_length(cfg.max_length, package.max_positions, f"package {folder}", "infer.max_length")
     images, names, skipped = [], [], []
@@ -74,14 +76,17 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
     import numpy as np
 
     t0 = time.perf_counter()
-    result = package.generate(np.stack(images), int(cfg.max_length or package.meta["max_length"]), cfg.batch_size)
+    batch = 1 if package.speculative else cfg.batch_size  # speculative decoding reads one image a call
+    result = package.generate(np.stack(images), int(cfg.max_length or package.meta["max_length"]), batch)
     seconds = time.perf_counter() - t0
     lines = [f"{n}\t{t}" for n, t in zip(names, result.texts)]
     for line in lines:
         print(line, flush=True)  # the predictions are the command's output, not log lines
     if package.provider != package.meta.get("provider"):
         log.warning(f"[infer] {package.meta.get('provider')} is not available here; ran on {package.provider}")
-    log.info(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']})")
+    how = (f"speculative, {sum(result.calls)} decoder calls for {sum(result.steps)} tokens" if package.speculative
+           else f"greedy, batch {batch}")
+    log.info(f"[infer] {len(lines)} image(s) in {seconds:.2f} s with {folder} ({package.meta['target']}; {how})")
     if cfg.output:
         Path(cfg.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"predictions": dict(zip(names, result.texts)), "hit_cap": dict(zip(names, result.hit_cap)),

@@ -1,0 +1,135 @@
+"""Choose speculative decoding's drafter settings on train / calib data, for one package.
+
+The package reads train formulas (the drafters are built from those readings, as stage export
+builds them) and calib formulas (where the settings are judged) with plain greedy. Its
+``decoder_verify`` graph is timed for every width T (the last written token + T - 1 drafts) at batch
+1, one thread. Then each drafter (ngram per order and min count, bpe when a tokenizer file is given)
+and draft length k is run through the real speculative loop (``pipeline/decoding.py``) against the
+calib readings themselves (the decoder replaced by the known reading: exact for calls and widths),
+and its decoder milliseconds per formula estimated from the timed widths. Prints the table, best
+first; the eval and shift splits are left for the benchmark stage to check the choice on.
+
+    python benchmarks/speculative.py artifacts/export-ort_cpu artifacts/corpus/formulas.jsonl \
+        --train 256 --calib 256 --orders 4 6 8 12 --min-counts 1 2 3 --draft-lens 2 4 6 8 12 \
+        --bpe artifacts/tokenizer/tokenizer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pipeline import drafting  # noqa: E402
+from pipeline.decoding import SpeculativeStats, speculative_greedy  # noqa: E402
+from pipeline.export.drafter import bpe_pieces, token_texts  # noqa: E402
+from pipeline.export.runtime import OnnxPackage  # noqa: E402
+
+
+def widths_cost(package: OnnxPackage, max_width: int, past_len: int = 40, repeat: int = 100) -> dict[int, float]:
+    """Milliseconds of one ``decoder_verify`` call per width T, at batch 1 after ``past_len`` tokens."""
+    memory = package.encode(np.ones((1, *package.meta["input_shape"]), np.float32))
+    _, past, cross = package.first(np.asarray([[package.bos] + [package.eos] * (past_len - 1)]), memory)
+    out = {}
+    for width in range(1, max_width + 1):
+        ids = np.full((1, width), package.eos, dtype=np.int64)
+        package.verify(ids, past, cross)
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            package.verify(ids, past, cross)
+        out[width] = 1000 * (time.perf_counter() - t0) / repeat
+    return out
+
+
+def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, max_length: int,
+             vocab: int) -> list[int]:
+    """The widths of the verify calls speculative decoding makes for ``reading`` (the decoder's
+    greedy tokens), through the real loop with a decoder that writes the reading."""
+    widths: list[int] = []
+
+    def logits_at(position: int) -> np.ndarray:
+        row = np.zeros(vocab, np.float32)
+        row[reading[position] if position < len(reading) else eos] = 1.0
+        return row
+
+    def first(ids):
+        return logits_at(0)[None], [np.zeros((1, 1, 1, 1), np.float32)], []
+
+    def verify(ids, past, cross):
+        start = past[0].shape[2]  # tokens fed so far (BOS first): the next written token's position
+        widths.append(ids.shape[1])
+        rows = [logits_at(start + j) for j in range(ids.shape[1])]
+        return np.stack(rows)[None], [np.zeros((1, 1, start + ids.shape[1], 1), np.float32)]
+
+    got = speculative_greedy(first, verify, propose, bos, eos, [], max_length, draft_len)
+    assert got == reading[:len(got)], "the loop must write the reading"
+    return widths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("package", type=Path)
+    ap.add_argument("formulas", type=Path, help="the corpus artifact's formulas.jsonl (train and calib splits)")
+    ap.add_argument("--train", type=int, default=256)
+    ap.add_argument("--calib", type=int, default=256)
+    ap.add_argument("--orders", type=int, nargs="+", default=[4, 6, 8, 12])
+    ap.add_argument("--min-counts", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8, 12])
+    ap.add_argument("--bpe", type=Path, default=None, help="stage tokenizer's tokenizer.json: also the bpe drafter")
+    ap.add_argument("--max-length", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
+    args = ap.parse_args(argv)
+
+    from pipeline.data.render import render_formula
+
+    package = OnnxPackage(args.package, threads=1, speculative=False)
+    max_length = int(args.max_length or package.meta["max_length"])
+    rows = [json.loads(line) for line in args.formulas.read_text(encoding="utf-8").splitlines() if line.strip()]
+    splits = {name: [r["latex"] for r in rows if r["split"] == name][:n]
+              for name, n in (("train", args.train), ("calib", args.calib))}
+    readings = {}
+    for name, formulas in splits.items():
+        images = np.stack([package.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
+        readings[name] = package.generate(images, max_length, batch_size=16).token_ids
+        print(f"[speculative] {name}: {len(formulas)} readings, {np.mean([len(r) for r in readings[name]]):.1f} tokens "
+              f"a formula", flush=True)
+    step_ms = widths_cost(package, 1)[1]
+    cost = widths_cost(package, max(args.draft_lens) + 1)
+    print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
+    vocab = package._vocab()
+    drafters = {f"ngram order {o} min {m}": drafting.NgramDrafter.build(readings["train"], package.bos, o, m)
+                for o in args.orders for m in args.min_counts}
+    if args.bpe is not None:
+        drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
+    greedy_calls = float(np.mean([len(r) for r in readings["calib"]]))
+    table = []
+    for name, drafter in drafters.items():
+        for k in args.draft_lens:
+            widths = [simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab)
+                      for r in readings["calib"]]
+            calls = float(np.mean([1 + len(w) for w in widths]))
+            ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
+            table.append({"drafter": name, "draft_len": k, "calls_per_formula": calls,
+                          "calls_ratio": greedy_calls / calls, "est_decoder_ms": ms,
+                          "est_ms_ratio": greedy_calls * step_ms / ms})
+    table.sort(key=lambda r: r["est_decoder_ms"])
+    print(f"\ncalib, {len(readings['calib'])} formulas: greedy {greedy_calls:.1f} calls, est. "
+          f"{greedy_calls * step_ms:.1f} decoder ms a formula (step {step_ms:.2f} ms)")
+    print(f"{'drafter':28s} {'k':>3s} {'calls':>7s} {'ratio':>6s} {'est ms':>7s} {'ratio':>6s}")
+    for r in table:
+        print(f"{r['drafter']:28s} {r['draft_len']:3d} {r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x "
+              f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
+    if args.out:
+        args.out.write_text(json.dumps({"step_ms": step_ms, "verify_ms": cost, "greedy_calls": greedy_calls,
+                                        "rows": table}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
