@@ -121,10 +121,14 @@ class Package:
         drafter, draft_len = drafting.load(folder / self.meta["drafter"], token_texts(self.tokenizer_json, vocab))
         names = self.io["decoder_verify"]["inputs"]
 
-        def verify(ids, past, cross):
+        def run(ids, past, cross):
             feed = dict(zip(names, [ids.astype(np.int64), *(np.ascontiguousarray(p) for p in past), *cross]))
             outs = self.sessions["verify"].run(None, feed)
             return outs[0], outs[1:]
+
+        width = self.sessions["verify"].get_inputs()[0].shape[-1]
+        positions = int(self.meta.get("max_positions", self.meta["max_length"]))
+        verify = decoding.FixedWidthVerify(run, self.step, width, positions)
 
         guard = self.layout_guard(vocab) if self.layout_run_cap else None
         return decoding.speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,

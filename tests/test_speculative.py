@@ -156,3 +156,39 @@ def test_a_broken_drafter_file_is_one_clear_error(tmp_path, payload, needle):
     (tmp_path / "drafter.json").write_text(payload)
     with pytest.raises(ValueError, match=needle):
         drafting.load(tmp_path / "drafter.json")
+
+
+@pytest.mark.parametrize("positions", [12, 40])
+def test_a_fixed_width_verify_pads_and_steps_near_the_position_table(positions):
+    """Drafts shorter than the graph's width are padded (the padded positions' logits unused, their K/V
+    cut); where a padded call would pass the position table, the tokens go one step each, and so does
+    a lone token (nothing drafted)."""
+    from pipeline.decoding import FixedWidthVerify
+
+    toy = ToyDecoder(5)
+    widths = []
+
+    def run(ids, past, cross):
+        widths.append(ids.shape[1])
+        assert past[0].shape[2] + ids.shape[1] <= positions  # never past the table
+        return toy.verify(ids, past, cross)
+
+    steps = []
+
+    def step(ids, past, cross):
+        steps.append(ids.shape[1])
+        logits, present = toy.verify(ids, past, cross)
+        return logits[:, 0], present
+
+    want = toy.greedy(30)
+    for propose in (oracle(want), noisy(1)):
+        widths.clear()
+        verify = FixedWidthVerify(run, step, 4, positions)
+        got = speculative_greedy(toy.first, verify, propose, BOS, EOS, [PAD, BOS], 30, 3)
+        assert got == want
+        assert set(widths) == {4}
+    widths.clear(), steps.clear()
+    got = speculative_greedy(toy.first, FixedWidthVerify(run, step, 4, positions), lambda ids, k: [], BOS, EOS,
+                             [PAD, BOS], 30, 3)
+    assert got == want and widths == [] and steps == [1] * (len(want) - 1)  # nothing drafted: plain steps
+

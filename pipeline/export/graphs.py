@@ -51,9 +51,16 @@ class DecoderStepGraph(nn.Module):
         return (logits, *present)
 
 
+# tokens a decoder_verify call reads: the last written token and up to VERIFY_WIDTH - 1 drafts. The width
+# and the batch (1) are fixed in the graph, so every shape but the past's length folds to a constant
+# (a dynamic width left ~120 shape nodes that cost a width-1 call 45 % more than a step); shorter drafts
+# are padded, the padded positions' logits and K/V never used (pipeline/decoding.py: FixedWidthVerify)
+VERIFY_WIDTH = 9
+
+
 class DecoderVerifyGraph(nn.Module):
-    """input_ids [B, T] after past self K/V [B, H, P, d], cross K/V -> logits [B, T, V] (after each of the
-    T tokens), present [B, H, P+T, d]: speculative decoding checks T drafted tokens in one call. Token i
+    """input_ids [1, T] after past self K/V [1, H, P, d], cross K/V -> logits [1, T, V] (after each of the
+    T tokens), present [1, H, P+T, d]: speculative decoding checks T drafted tokens in one call. Token i
     reads the past and new tokens 0..i (causal, offset by P), so its logits equal T single steps'."""
 
     def __init__(self, cached: nn.Module):

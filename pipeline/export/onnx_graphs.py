@@ -13,7 +13,8 @@ import torch
 from onnx import helper
 
 from pipeline.errors import PipelineError
-from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph, DecoderVerifyGraph, EncoderGraph, io_names
+from pipeline.export.graphs import (VERIFY_WIDTH, DecoderFirstGraph, DecoderStepGraph, DecoderVerifyGraph, EncoderGraph,
+                                    io_names)
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 
@@ -74,13 +75,13 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
     step_ids = torch.tensor([[9], [10]], dtype=torch.long)
     graphs["decoder_step"] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io["decoder_step"], dyn, opset)
-    dyn = {"input_ids": {0: "batch", 1: "new"}, "logits": {0: "batch", 1: "new"}}
-    dyn.update({k: {0: "batch", 2: "past_len"} for k in n["past"]})
-    dyn.update({k: {0: "batch", 2: "total_len"} for k in n["present"]})
-    dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
-    verify_ids = torch.tensor([[9, 4, 11], [10, 12, 4]], dtype=torch.long)
-    graphs["decoder_verify"] = _to_model(DecoderVerifyGraph(cached).eval(), (verify_ids, *kv), io["decoder_verify"],
-                                         dyn, opset)
+    # batch 1 and VERIFY_WIDTH tokens, fixed: only the past's length (and the memory's) stay dynamic
+    dyn = {k: {2: "past_len"} for k in n["past"]}
+    dyn.update({k: {2: "total_len"} for k in n["present"]})
+    dyn.update({k: {2: "mem_len"} for k in n["cross"]})
+    verify_ids = (torch.arange(VERIFY_WIDTH, dtype=torch.long) % 7 + 4)[None]
+    graphs["decoder_verify"] = _to_model(DecoderVerifyGraph(cached).eval(), (verify_ids, *[t[:1] for t in kv]),
+                                         io["decoder_verify"], dyn, opset)
     return graphs
 
 

@@ -59,12 +59,14 @@ def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Se
             steps.append(lo[0])
         if steps:
             step_parts.append(compare(logits_t[1:len(ids)], np.stack(steps)))
-        if has_verify and len(ids) > 1:  # the same tokens VERIFY_WIDTH at a time after the first
+        if has_verify and len(ids) > 1:  # the same tokens a verify call's width at a time after the first
             lo, past, cross = package.first(np.array([[ids[0]]]), memory_t.numpy())
             chunks = []
-            for t in range(1, len(ids), VERIFY_WIDTH):
-                lo, past = package.verify(np.array([ids[t:t + VERIFY_WIDTH]]), past, cross)
+            width = package.verify_width
+            for t in range(1, len(ids), width):
+                lo, present = package.verify(np.array([ids[t:t + width]]), past, cross)
                 chunks.append(lo[0])
+                past = [p[:, :, :past[0].shape[2] + lo.shape[1]] for p in present]  # a padded call's extra K/V off
             verify_parts.append(compare(logits_t[1:len(ids)], np.concatenate(chunks)))
     result = {"encoder.memory": _merge(mem_parts), "decoder_first.logits": _merge(first_parts)}
     if step_parts:
@@ -73,8 +75,6 @@ def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Se
         result["decoder_verify.logits"] = _merge(verify_parts)
     return result
 
-
-VERIFY_WIDTH = 5  # tokens a verify call of the tensor parity checks (any width holds the same logits)
 
 
 @dataclass

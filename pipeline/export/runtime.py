@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import LayoutGuard, SpeculativeStats, speculative_greedy
+from pipeline.decoding import FixedWidthVerify, LayoutGuard, SpeculativeStats, speculative_greedy
 from pipeline.errors import PipelineError
 from pipeline.schema import load_json
 
@@ -120,6 +120,7 @@ class OnnxPackage:
         # the decoder's position table; packages from before it was recorded: their export cap
         self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
         self.drafter, self.draft_len = None, 0
+        self._fixed: FixedWidthVerify | None = None
         self.spec_stats = SpeculativeStats()
         if speculative and self.meta.get("drafter"):
             self.drafter, self.draft_len = self._load_drafter()
@@ -136,8 +137,19 @@ class OnnxPackage:
             drafter, draft_len = drafting.load(path, texts)
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
-        self._verify_session()
+        width = self.verify_width
+        if draft_len > width - 1:
+            raise PipelineError(f"package {self.folder}: the drafter's draft_len {draft_len} does not fit the "
+                                f"verify graph's width {width} (the last written token + {width - 1} drafts)")
         return drafter, draft_len
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens a ``decoder_verify`` call reads (fixed in the graph)."""
+        width = self._verify_session().get_inputs()[0].shape[-1]
+        if not isinstance(width, int):
+            raise PipelineError(f"package {self.folder}: decoder_verify's width is not fixed ({width!r})")
+        return width
 
     def _verify_session(self):
         if "decoder_verify" not in self.sessions:
@@ -187,7 +199,13 @@ class OnnxPackage:
         return outs[0], outs[1:]
 
     def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
-        """T tokens after ``past`` in one call: logits [B, T, V] after each, present grown by T."""
+        """Up to ``verify_width`` tokens after ``past`` (batch 1) in one call: logits [1, T, V] after
+        each of the T, present grown by the graph's width (padding: :class:`FixedWidthVerify`)."""
+        if self._fixed is None:
+            self._fixed = FixedWidthVerify(self._verify_run, self.step, self.verify_width, self.max_positions)
+        return self._fixed(input_ids, past, cross)
+
+    def _verify_run(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         names = self.io["decoder_verify"]["inputs"]
         feed = dict(zip(names, [input_ids.astype(np.int64), *(np.ascontiguousarray(p) for p in past), *cross]))
         outs = self._verify_session().run(None, feed)

@@ -16,7 +16,7 @@ def profiles(meta: dict, max_batch: int, opt_len: int, verify_tokens: int = 9
              ) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
     """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
     request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
-    ``decoder_verify`` 1..``verify_tokens`` new tokens (the last written + the drafts) at batch 1."""
+    ``decoder_verify`` at batch 1 and its fixed width (``meta['verify_width']``, else ``verify_tokens``)."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
@@ -38,8 +38,9 @@ def profiles(meta: dict, max_batch: int, opt_len: int, verify_tokens: int = 9
             out["decoder_step"][name] = kv(1, opt_len, max_len - 1)
         else:
             out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
-    if "decoder_verify" in meta["graphs"]:
-        out["decoder_verify"] = {"input_ids": ((1, 1), (1, verify_tokens), (1, verify_tokens))}
+    if "decoder_verify" in meta.get("graphs", {}):
+        width = int(meta.get("verify_width", verify_tokens))  # fixed in the graph: batch 1, width tokens
+        out["decoder_verify"] = {"input_ids": ((1, width), (1, width), (1, width))}
         for name, shape in out["decoder_step"].items():
             if name != "input_ids":
                 out["decoder_verify"][name] = tuple((1, *s[1:]) for s in shape)  # batch 1 only

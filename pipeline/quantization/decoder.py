@@ -106,6 +106,50 @@ def same_plan(step_digests: dict[str, str], first_digests: dict[str, str], int8_
     return [n for n, d in first_digests.items() if d in wanted]
 
 
+def follow_plan(step: onnx.ModelProto, other: onnx.ModelProto, int8_step: Sequence[str]) -> list[str]:
+    """The MatMul nodes of ``other`` (MatMul form) to make 8-bit so that it computes what ``step`` with
+    ``int8_step`` in 8 bits does: a node holding one of the step's weights follows that weight's node;
+    a node holding several side by side (ORT's optimizer merges q, k and v into one matrix where the
+    shapes are fixed) is 8-bit when all of them are, float when none is. ``MatMulNBits`` quantizes
+    each output column on its own (blocks run along the input), so a merged matrix in 8 bits holds
+    exactly the values of its parts in 8 bits. A merge of 8-bit and float parts cannot follow the
+    plan: ``ValueError``."""
+    def weights(model):
+        inits = {t.name: t for t in model.graph.initializer}
+        return {n.name: numpy_helper.to_array(inits[n.input[1]]) for n in model.graph.node
+                if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits}
+
+    def digest(arr: np.ndarray) -> str:
+        arr = np.ascontiguousarray(arr)
+        return hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()[:16]
+
+    step_w = weights(step)
+    by_digest = {digest(w): name for name, w in step_w.items()}
+    widths = sorted({w.shape[1] for w in step_w.values()}, reverse=True)
+    chosen = set(int8_step)
+    out = []
+    for name, w in weights(other).items():
+        parts, at = [], 0
+        while at < w.shape[1]:
+            found = next((by_digest[d] for width in widths if at + width <= w.shape[1]
+                          for d in [digest(w[:, at:at + width])] if d in by_digest and
+                          step_w[by_digest[d]].shape[0] == w.shape[0]), None)
+            if found is None:
+                parts = []
+                break
+            parts.append(found)
+            at += step_w[found].shape[1]
+        if not parts:
+            continue  # a weight the step does not have (decoder_first's cross-attention K/V): float
+        eight = [p in chosen for p in parts]
+        if all(eight):
+            out.append(name)
+        elif any(eight):
+            raise ValueError(f"{name} merges decoder_step weights of which some are 8-bit and some float "
+                             f"({', '.join(parts)})")
+    return out
+
+
 class StepFeeds:
     """Decoder-step inputs recorded from greedy readings (every ``stride``-th step of each image):
     what the step graph really sees. The cross-attention K/V of an image are stored once."""

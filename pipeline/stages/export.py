@@ -24,6 +24,7 @@ from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError, optional_part
 from pipeline.files import read_formulas
 from pipeline.export import drafter as spec
+from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
 from pipeline.export.package import build_graphs, write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
@@ -76,10 +77,12 @@ class ExportConfig:
     # speculative decoding (docs/export.md): the package's drafter, checked against its plain greedy readings
     drafter: str = "ngram"               # ngram (the package's own readings of train formulas) | bpe (stage
                                          # tokenizer's formula BPE) | none (plain greedy only; the baselines)
-    draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written)
+    draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
+                                         # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     draft_images: int = 256              # train formulas the package reads to build the ngram drafter
-    ngram_order: int = 8                 # longest context (tokens) the ngram drafter keys on
-    ngram_min_count: int = 2             # a context must be seen this often to propose
+    ngram_order: int = 12                # longest context (tokens) the ngram drafter keys on
+    ngram_min_count: int = 1             # a context must be seen this often to propose (12 / 1: the fewest
+                                         # decoder calls on calib, benchmarks/speculative.py, docs/export.md)
 
 
 Config = ExportConfig
@@ -227,6 +230,9 @@ def _check_drafter(cfg: ExportConfig) -> None:
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):
         if int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.draft_len > VERIFY_WIDTH - 1:
+        raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
+                            f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
 
 
 def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage, folder: Path, model_key: str,
@@ -386,7 +392,7 @@ def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, fail
 def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
     from pipeline.export.onnx_graphs import has_qdq
 
-    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length, cfg.draft_len + 1)
+    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length)
     lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
     for g, m in built.models.items():
         lines.append(trt_build.trtexec_command(f"{g}.onnx", f"{g}.plan", shapes[g], int8=has_qdq(m)))

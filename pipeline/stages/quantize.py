@@ -664,9 +664,13 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         int8 = order[k:]
     final = made(int8, "final")
     if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
-        final["decoder_verify"] = scratch / "decoder_verify.final.onnx"
-        qdec.quantize(mm["decoder_verify"], final["decoder_verify"],
-                      qdec.same_plan(step_nodes, qdec.weight_nodes(onnx.load(str(mm["decoder_verify"]))), int8))
+        try:
+            nodes = qdec.follow_plan(onnx.load(str(mm["decoder_step"])), onnx.load(str(mm["decoder_verify"])), int8)
+        except ValueError as exc:
+            log.warning(f"[quantize] no INT8 verify graph (the packages decode plain greedy): {exc}")
+        else:
+            final["decoder_verify"] = scratch / "decoder_verify.final.onnx"
+            qdec.quantize(mm["decoder_verify"], final["decoder_verify"], nodes)
     r = by_plan.get(tuple(int8)) or reading(final)  # the search read this very plan already
     plan.decoder = "int8" if int8 else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
