@@ -62,12 +62,36 @@ def real_adapter():
     return load_adapter("latex_ocr_junia", "package")
 
 
+def _shared_corpus() -> Path:
+    """An artifacts root holding the real corpus, built once for all the suite's workers (about a
+    minute of two cores) in the temp folder, keyed by the code that builds it; a lock makes a worker
+    that needs it while another builds it wait for that build."""
+    import hashlib
+    import tempfile
+
+    from filelock import FileLock
+
+    code = b"".join(p.read_bytes() for p in sorted((REPO / "pipeline" / "data").glob("*.py")))
+    code += (REPO / "conf" / "data" / "corpus.yaml").read_bytes() if (REPO / "conf" / "data" / "corpus.yaml").is_file() else b""
+    root = Path(tempfile.gettempdir()) / f"formula-compress-test-corpus-{hashlib.sha256(code).hexdigest()[:16]}"
+    with FileLock(str(root) + ".lock"):
+        make_ctx(root).corpus()  # reused when built (the stage's manifest holds its config and inputs)
+    return root
+
+
+def copy_corpus(root: Path) -> Path:
+    """``root`` (an artifacts folder) with the suite's shared corpus in it; returns ``root``."""
+    import shutil
+
+    if not (root / "corpus").exists():
+        shutil.copytree(_shared_corpus() / "corpus", root / "corpus")
+    return root
+
+
 @pytest.fixture(scope="session")
 def corpus_root(tmp_path_factory) -> Path:
-    """An artifacts root holding the real corpus (built once: about a minute and a half)."""
-    root = tmp_path_factory.mktemp("artifacts")
-    make_ctx(root).corpus()
-    return root
+    """An artifacts root holding the real corpus (a copy of the suite's shared one)."""
+    return copy_corpus(tmp_path_factory.mktemp("artifacts"))
 
 
 @pytest.fixture(scope="session")

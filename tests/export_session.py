@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from conftest import make_ctx
+from conftest import copy_corpus, make_ctx
 
 # formulas the shipped model reads correctly at this cap (BOS included)
 FORMULAS = [r"x_1 + x_2", r"e^{i\pi}+1=0"]
@@ -17,7 +17,7 @@ MAX_LENGTH = 64
 
 @functools.lru_cache(maxsize=None)
 def artifacts_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="export-test-"))
+    root = copy_corpus(Path(tempfile.mkdtemp(prefix="export-test-")))  # the drafter reads train formulas
     (root / "formulas.txt").write_text("\n".join(FORMULAS) + "\n")
     return root
 

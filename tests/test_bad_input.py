@@ -23,7 +23,7 @@ from conftest import REPO, run_cli
 FORMULAS = ["x^2", "a+b", r"\frac{a}{b}"]
 TINY_MAX_POSITIONS = 64  # tests/tiny_model.py: ModelConfig(max_length=64)
 EXPORT_ARGS = ["stage=export", "model.max_length=16", "export.parity_images=1", "export.parity_limit=2",
-               "export.min_identical=0", "progress=false"]
+               "export.min_identical=0", "export.drafter=none", "progress=false"]  # no drafter: no corpus to build
 
 
 # ---- fixtures ------------------------------------------------------------------------------------

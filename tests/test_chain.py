@@ -132,7 +132,7 @@ def test_baselines_are_the_original_and_the_chain_model_in_float_and_the_origina
     from pipeline.stages import export
 
     made = []
-    monkeypatch.setattr(export, "_run_one", lambda cfg, ctx, tcfg, refs=None: made.append(
+    monkeypatch.setattr(export, "_run_one", lambda cfg, ctx, tcfg, refs=None, drafts=None: made.append(
         (cfg.name, cfg.model, cfg.quantized)) or {})
     ctx = fake_ctx(tmp_path, ["export.targets=[ort_cpu]", "export.baselines=true"])
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)

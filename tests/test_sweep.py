@@ -28,7 +28,7 @@ def test_two_point_sweep_then_one_benchmark_collects_its_packages(tmp_path, corp
     # the next stage, swept with the same prune overrides: each job exports its own pruned model
     proc = run_cli("-m", "stage=export", *common, *sweep, "export.quantized=none", f"export.formulas={tmp_path / 'f.txt'}",
                    "export.parity_limit=2", "export.parity_images=1", "export.min_identical=0", "export.min_cosine=0",
-                   "export.min_snr_db=-100", timeout=600)
+                   "export.min_snr_db=-100", "export.drafter=none", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     packages = sorted(p for p in root.glob("export-ort_cpu-*") if (p / "package.json").is_file())
     assert len(packages) == 2 and not (root / "export-ort_cpu").exists()
