@@ -7,11 +7,14 @@ builds them) and calib formulas (where the settings are judged) with plain greed
 and draft length k is run through the real speculative loop (``pipeline/decoding.py``) against the
 calib readings themselves (the decoder replaced by the known reading: exact for calls and widths),
 and its decoder milliseconds per formula estimated from the timed widths. Prints the table, best
-first; the eval and shift splits are left for the benchmark stage to check the choice on.
+first. With ``--check eval shift`` (and the shift split's file among the formulas files) the best
+setting of each drafter kind on calib is then run on those splits too (exact calls, estimated
+milliseconds): a check of the choice, never an input to it (the benchmark stage measures the
+package's own drafter there).
 
     python benchmarks/speculative.py artifacts/export-ort_cpu artifacts/corpus/formulas.jsonl \
-        --train 256 --calib 256 --orders 4 6 8 12 --min-counts 1 2 3 --draft-lens 2 4 6 8 12 \
-        --bpe artifacts/tokenizer/tokenizer.json
+        artifacts/corpus-shift/formulas.jsonl --train 256 --calib 256 --orders 4 6 8 12 \
+        --min-counts 1 2 3 --draft-lens 2 4 6 8 --bpe artifacts/tokenizer/tokenizer.json --check eval shift
 """
 from __future__ import annotations
 
@@ -75,12 +78,16 @@ def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, ma
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("package", type=Path)
-    ap.add_argument("formulas", type=Path, help="the corpus artifact's formulas.jsonl (train and calib splits)")
+    ap.add_argument("formulas", type=Path, nargs="+",
+                    help="the corpus artifact's formulas.jsonl (train and calib splits; the shift split's file too "
+                         "for --check shift)")
     ap.add_argument("--train", type=int, default=256)
     ap.add_argument("--calib", type=int, default=256)
     ap.add_argument("--orders", type=int, nargs="+", default=[4, 6, 8, 12])
     ap.add_argument("--min-counts", type=int, nargs="+", default=[1, 2, 3])
-    ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8, 12])
+    ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8])
+    ap.add_argument("--check", nargs="*", default=[], help="splits the best setting of each kind is checked on")
+    ap.add_argument("--check-limit", type=int, default=None, help="formulas per checked split (default: all)")
     ap.add_argument("--bpe", type=Path, default=None, help="stage tokenizer's tokenizer.json: also the bpe drafter")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
@@ -90,9 +97,16 @@ def main(argv=None) -> int:
 
     package = OnnxPackage(args.package, threads=1, speculative=False)
     max_length = int(args.max_length or package.meta["max_length"])
-    rows = [json.loads(line) for line in args.formulas.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if max(args.draft_lens) > package.verify_width - 1:
+        ap.error(f"--draft-lens: at most {package.verify_width - 1} (the verify graph's width - 1)")
+    rows = [json.loads(line) for path in args.formulas
+            for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     splits = {name: [r["latex"] for r in rows if r["split"] == name][:n]
-              for name, n in (("train", args.train), ("calib", args.calib))}
+              for name, n in (("train", args.train), ("calib", args.calib),
+                              *((c, args.check_limit) for c in args.check))}
+    empty = [name for name, formulas in splits.items() if not formulas]
+    if empty:
+        ap.error(f"no formulas of split(s) {', '.join(empty)} in {' '.join(map(str, args.formulas))}")
     readings = {}
     for name, formulas in splits.items():
         images = np.stack([package.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
@@ -107,17 +121,22 @@ def main(argv=None) -> int:
                 for o in args.orders for m in args.min_counts}
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
+    def judge(drafter, k: int, split: str) -> dict:
+        greedy_calls = float(np.mean([len(r) for r in readings[split]]))
+        widths = [simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab) for r in readings[split]]
+        calls = float(np.mean([1 + len(w) for w in widths]))
+        ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
+        drafted = sum(x - 1 for w in widths for x in w)
+        verifies = sum(len(w) for w in widths)
+        tokens = sum(len(r) for r in readings[split])
+        return {"calls_per_formula": calls, "calls_ratio": greedy_calls / calls,
+                "accepted_per_verify": (tokens - len(widths) - verifies) / max(1, verifies),
+                "drafted_per_verify": drafted / max(1, verifies), "est_decoder_ms": ms,
+                "est_ms_ratio": greedy_calls * step_ms / ms, "greedy_calls": greedy_calls}
+
     greedy_calls = float(np.mean([len(r) for r in readings["calib"]]))
-    table = []
-    for name, drafter in drafters.items():
-        for k in args.draft_lens:
-            widths = [simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab)
-                      for r in readings["calib"]]
-            calls = float(np.mean([1 + len(w) for w in widths]))
-            ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
-            table.append({"drafter": name, "draft_len": k, "calls_per_formula": calls,
-                          "calls_ratio": greedy_calls / calls, "est_decoder_ms": ms,
-                          "est_ms_ratio": greedy_calls * step_ms / ms})
+    table = [{"drafter": name, "draft_len": k, **judge(drafter, k, "calib")}
+             for name, drafter in drafters.items() for k in args.draft_lens]
     table.sort(key=lambda r: r["est_decoder_ms"])
     print(f"\ncalib, {len(readings['calib'])} formulas: greedy {greedy_calls:.1f} calls, est. "
           f"{greedy_calls * step_ms:.1f} decoder ms a formula (step {step_ms:.2f} ms)")
@@ -125,9 +144,23 @@ def main(argv=None) -> int:
     for r in table:
         print(f"{r['drafter']:28s} {r['draft_len']:3d} {r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x "
               f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
+    checks = []
+    for kind in sorted({r["drafter"].split()[0] for r in table}):
+        best = next(r for r in table if r["drafter"].split()[0] == kind)  # the table is sorted: best first
+        for split in args.check:
+            checks.append({"drafter": best["drafter"], "draft_len": best["draft_len"], "split": split,
+                           "n": len(readings[split]), **judge(drafters[best["drafter"]], best["draft_len"], split)})
+    if checks:
+        print(f"\nthe best setting of each kind on calib, checked (calls exact, ms estimated from the timed calls):")
+        print(f"{'drafter':28s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "
+              f"{'acc/call':>8s} {'est ms':>7s} {'ratio':>6s}")
+        for r in checks:
+            print(f"{r['drafter']:28s} {r['draft_len']:3d} {r['split']:>6s} {r['n']:5d} {r['greedy_calls']:7.1f} "
+                  f"{r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x {r['accepted_per_verify']:8.2f} "
+                  f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
     if args.out:
         args.out.write_text(json.dumps({"step_ms": step_ms, "verify_ms": cost, "greedy_calls": greedy_calls,
-                                        "rows": table}, indent=2) + "\n")
+                                        "rows": table, "checks": checks}, indent=2) + "\n")
     return 0
 
 

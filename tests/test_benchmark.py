@@ -365,3 +365,32 @@ def test_a_reading_over_two_session_sets_stops_after_the_batch_in_hand_on_a_sign
     # at most one batch in hand per thread, not the four each had to read (the second thread's run may
     # not have started when the first stopped: Executor.map then cancels it, and it reads nothing)
     assert encoded in ([2], [2, 2])
+
+
+def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_path):
+    """benchmarks/speculative.py on the tiny package: drafters built from its train readings, judged on
+    calib (calls through the real loop), the best of each kind checked on eval; calls never exceed greedy's."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    rows = [{"latex": f, "split": split} for split in ("train", "calib", "eval") for f in FORMULAS[:6]]
+    (tmp_path / "formulas.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "table.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
+                           str(tmp_path / "formulas.jsonl"), "--train", "6", "--calib", "4", "--orders", "1", "3",
+                           "--min-counts", "1", "--draft-lens", "1", "4", "--check", "eval", "--max-length", "8",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads(out.read_text())
+    assert {(r["drafter"], r["draft_len"]) for r in table["rows"]} == \
+        {(f"ngram order {o} min 1", k) for o in (1, 3) for k in (1, 4)}
+    assert [r["est_decoder_ms"] for r in table["rows"]] == sorted(r["est_decoder_ms"] for r in table["rows"])
+    for r in table["rows"] + table["checks"]:
+        assert 1 <= r["calls_per_formula"] <= r["greedy_calls"] and r["accepted_per_verify"] >= 0
+    assert [(c["split"], c["n"]) for c in table["checks"]] == [("eval", 6)]
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
+                          str(tmp_path / "formulas.jsonl"), "--check", "shift"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "no formulas of split(s) shift" in bad.stderr
