@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib", type=int, default=256)
     ap.add_argument("--orders", type=int, nargs="+", default=[4, 6, 8, 12])
     ap.add_argument("--min-counts", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--self-lookups", type=int, nargs="+", default=[0],
+                    help="the ngram drafter's self_lookup settings (0: off; n: the reading's own contexts of n+ tokens)")
     ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8])
     ap.add_argument("--check", nargs="*", default=[], help="splits the best setting of each kind is checked on")
     ap.add_argument("--check-limit", type=int, default=None, help="formulas per checked split (default: all)")
@@ -117,8 +119,9 @@ def main(argv=None) -> int:
     cost = widths_cost(package, max(args.draft_lens) + 1)
     print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
     vocab = package._vocab()
-    drafters = {f"ngram order {o} min {m}": drafting.NgramDrafter.build(readings["train"], package.bos, o, m)
-                for o in args.orders for m in args.min_counts}
+    drafters = {f"ngram order {o} min {m}" + (f" self {s}" if s else ""):
+                drafting.NgramDrafter.build(readings["train"], package.bos, o, m, s)
+                for o in args.orders for m in args.min_counts for s in args.self_lookups if s <= o}
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
     def judge(drafter, k: int, split: str) -> dict:
@@ -140,9 +143,9 @@ def main(argv=None) -> int:
     table.sort(key=lambda r: r["est_decoder_ms"])
     print(f"\ncalib, {len(readings['calib'])} formulas: greedy {greedy_calls:.1f} calls, est. "
           f"{greedy_calls * step_ms:.1f} decoder ms a formula (step {step_ms:.2f} ms)")
-    print(f"{'drafter':28s} {'k':>3s} {'calls':>7s} {'ratio':>6s} {'est ms':>7s} {'ratio':>6s}")
+    print(f"{'drafter':36s} {'k':>3s} {'calls':>7s} {'ratio':>6s} {'est ms':>7s} {'ratio':>6s}")
     for r in table:
-        print(f"{r['drafter']:28s} {r['draft_len']:3d} {r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x "
+        print(f"{r['drafter']:36s} {r['draft_len']:3d} {r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x "
               f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
     checks = []
     for kind in sorted({r["drafter"].split()[0] for r in table}):
@@ -152,10 +155,10 @@ def main(argv=None) -> int:
                            "n": len(readings[split]), **judge(drafters[best["drafter"]], best["draft_len"], split)})
     if checks:
         print(f"\nthe best setting of each kind on calib, checked (calls exact, ms estimated from the timed calls):")
-        print(f"{'drafter':28s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "
+        print(f"{'drafter':36s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "
               f"{'acc/call':>8s} {'est ms':>7s} {'ratio':>6s}")
         for r in checks:
-            print(f"{r['drafter']:28s} {r['draft_len']:3d} {r['split']:>6s} {r['n']:5d} {r['greedy_calls']:7.1f} "
+            print(f"{r['drafter']:36s} {r['draft_len']:3d} {r['split']:>6s} {r['n']:5d} {r['greedy_calls']:7.1f} "
                   f"{r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x {r['accepted_per_verify']:8.2f} "
                   f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
     if args.out:

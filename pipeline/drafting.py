@@ -8,7 +8,10 @@ built by stage export from artifacts the chain already makes (never from the eva
 
 - ``ngram``: what the model itself writes after the last ``n`` tokens, counted over its own greedy
   readings of train formulas (the display wrapper, the rest of ``\\frac{``, closing braces ...);
-  the longest context seen at least ``min_count`` times decides, and the proposal chains.
+  the longest context seen at least ``min_count`` times decides, and the proposal chains. With
+  ``self_lookup`` n, the reading itself is a table too: where the last n or more tokens were written
+  before in this reading, what followed them then (the longest context wins; at equal length the
+  reading's own).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
   the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -31,14 +35,20 @@ class NgramDrafter:
 
     kind = "ngram"
 
-    def __init__(self, order: int, table: dict[tuple[int, ...], int]):
+    def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0):
         if order < 1:
             raise ValueError(f"the n-gram order must be at least 1, got {order}")
+        if self_lookup < 0 or self_lookup > order:
+            raise ValueError(f"self_lookup must be 0 (off) or 1..order ({order}), got {self_lookup}")
         self.order = int(order)
         self.table = table
+        self.self_lookup = int(self_lookup)
+        self._local = threading.local()  # per thread (a served package reads requests in threads): the reading
+        # the own table was built from, and its contexts -> the token that followed them last
 
     @classmethod
-    def build(cls, readings: Iterable[Sequence[int]], bos: int, order: int = 8, min_count: int = 2) -> "NgramDrafter":
+    def build(cls, readings: Iterable[Sequence[int]], bos: int, order: int = 8, min_count: int = 2,
+              self_lookup: int = 0) -> "NgramDrafter":
         """From token sequences as the model writes them (no BOS; EOS kept so the drafter proposes
         the end too): for each context of 1..``order`` tokens (BOS included) seen ``min_count`` times
         or more, its most frequent next token (ties: the smaller id)."""
@@ -55,15 +65,31 @@ class NgramDrafter:
             tok, count = min(c.items(), key=lambda kv: (-kv[1], kv[0]))
             if count >= min_count:
                 table[ctx] = tok
-        return cls(order, table)
+        return cls(order, table, self_lookup)
+
+    def _own_table(self, ids: list[int]) -> dict[tuple[int, ...], int]:
+        """Contexts of ``self_lookup``..``order`` tokens in ``ids`` -> the token that followed them last;
+        grown from the previous call's when ``ids`` extends the same reading."""
+        mine = self._local
+        if not hasattr(mine, "seen") or ids[:len(mine.seen)] != mine.seen:
+            mine.seen, mine.own = [], {}
+        for end in range(max(len(mine.seen), 1), len(ids)):  # ids[end] follows the contexts ending before it
+            for n in range(self.self_lookup, min(self.order, end) + 1):
+                mine.own[tuple(ids[end - n:end])] = ids[end]
+        mine.seen = list(ids)
+        return mine.own
 
     def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        own = self._own_table(list(ids)) if self.self_lookup else {}
         work = list(ids[-self.order:])
         out: list[int] = []
         while len(out) < k:
             nxt = None
             for n in range(min(self.order, len(work)), 0, -1):
-                nxt = self.table.get(tuple(work[-n:]))
+                context = tuple(work[-n:])
+                nxt = own.get(context) if n >= self.self_lookup else None
+                if nxt is None:
+                    nxt = self.table.get(context)
                 if nxt is not None:
                     break
             if nxt is None:
@@ -73,11 +99,13 @@ class NgramDrafter:
         return out
 
     def to_json(self) -> dict:
-        return {"order": self.order, "table": {" ".join(map(str, k)): v for k, v in sorted(self.table.items())}}
+        return {"order": self.order, "self_lookup": self.self_lookup,
+                "table": {" ".join(map(str, k)): v for k, v in sorted(self.table.items())}}
 
     @classmethod
     def from_json(cls, data: dict, **_) -> "NgramDrafter":
-        return cls(int(data["order"]), {tuple(int(t) for t in k.split()): int(v) for k, v in data["table"].items()})
+        return cls(int(data["order"]), {tuple(int(t) for t in k.split()): int(v) for k, v in data["table"].items()},
+                   int(data.get("self_lookup", 0)))
 
 
 class BpeDrafter:

@@ -179,7 +179,10 @@ def test_bad_drafter_settings_are_one_clear_error(looping, tmp_path):
 
     root, _, _ = looping
     for override, needle in (("export.drafter=magic", r"export\.drafter: unknown 'magic'; known: none, ngram, bpe"),
-                             ("export.draft_len=0", r"export\.draft_len must be >= 1, got 0")):
+                             ("export.draft_len=0", r"export\.draft_len must be >= 1, got 0"),
+                             ("export.draft_len=9", r"export\.draft_len must be <= 8 .*got 9"),
+                             ("export.ngram_self_lookup=13", r"export\.ngram_self_lookup must be 0 \(off\) or "
+                                                             r"1\.\.export\.ngram_order \(12\), got 13")):
         ctx = fake_ctx(tmp_path, [override])
         with pytest.raises(PipelineError, match=needle):
             export.run(OmegaConf.to_object(ctx.cfg.export), ctx)

@@ -95,8 +95,9 @@ def test_speculative_is_greedy_token_for_token_whatever_the_drafter(seed, k, cap
     guard = LayoutGuard.for_vocabulary(TEXTS.__getitem__, VOCAB, EOS, cap) if cap else None
     for max_length in (2, 5, 40):
         want = toy.greedy(max_length, LayoutGuard(TEXTS, EOS, cap) if cap else None)
+        own = drafting.NgramDrafter.build([toy.greedy(40)[3:], want[::2]], BOS, order=4, min_count=1, self_lookup=2)
         for name, propose in (("oracle", oracle(want)), ("wrong", wrong(want)), ("noisy", noisy(seed)),
-                              ("none", lambda ids, kk: [])):
+                              ("none", lambda ids, kk: []), ("ngram, self lookup", own.propose)):
             stats = SpeculativeStats()
             got = speculative_greedy(toy.first, toy.verify, propose, BOS, EOS, [PAD, BOS], max_length, k,
                                      LayoutGuard(TEXTS, EOS, cap) if guard else None, stats)
@@ -135,6 +136,21 @@ def test_ngram_drafter_learns_what_the_model_writes_and_round_trips(tmp_path):
     assert draft_len == 6 and back.table == d.table and back.order == 4
     with pytest.raises(ValueError):
         drafting.NgramDrafter.build(readings, BOS, order=0)
+
+
+def test_ngram_self_lookup_proposes_what_followed_the_same_tokens_earlier_in_the_reading(tmp_path):
+    table = drafting.NgramDrafter.build([[3, 4, EOS]], BOS, order=4, min_count=1)
+    own = drafting.NgramDrafter.build([[3, 4, EOS]], BOS, order=4, min_count=1, self_lookup=2)
+    reading = [BOS, 7, 8, 9, 3, 7, 8]                      # 7 8 was followed by 9 earlier in this reading
+    assert table.propose(reading, 3) == []                 # the train readings never saw 7 8 / 8
+    assert own.propose(reading, 3) == [9, 3, 7]            # 9 3 7: what followed 7 8 (and 8 9 3) before
+    assert own.propose([BOS, 5, 6, 5], 1) == []            # one token of context: below self_lookup
+    assert own.propose([BOS, 3], 2) == [4, EOS]            # another reading: the table (nothing of the last one)
+    drafting.save(own, tmp_path / "drafter.json", 4, {})
+    back, _ = drafting.load(tmp_path / "drafter.json")
+    assert back.self_lookup == 2 and back.propose(reading, 3) == [9, 3, 7]
+    with pytest.raises(ValueError, match="self_lookup"):
+        drafting.NgramDrafter.build([[3]], BOS, order=2, self_lookup=3)
 
 
 def test_bpe_drafter_completes_a_piece():

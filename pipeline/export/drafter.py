@@ -34,9 +34,10 @@ def token_texts(package: OnnxPackage) -> list[str]:
 
 
 def build(kind: str, package: OnnxPackage, readings: Sequence[Sequence[int]] | None, order: int, min_count: int,
-          pieces: Sequence[str] | None):
+          pieces: Sequence[str] | None, self_lookup: int = 0):
     if kind == "ngram":
-        return drafting.NgramDrafter.build(readings or [], package.bos, order=order, min_count=min_count)
+        return drafting.NgramDrafter.build(readings or [], package.bos, order=order, min_count=min_count,
+                                           self_lookup=self_lookup)
     if kind == "bpe":
         return drafting.BpeDrafter.build(pieces or [], token_texts(package))
     raise PipelineError(f"export.drafter: unknown {kind!r}; known: {', '.join(KINDS)}")

@@ -83,6 +83,8 @@ class ExportConfig:
     ngram_order: int = 12                # longest context (tokens) the ngram drafter keys on
     ngram_min_count: int = 1             # a context must be seen this often to propose (12 / 1: the fewest
                                          # decoder calls on calib, benchmarks/speculative.py, docs/export.md)
+    ngram_self_lookup: int = 0           # >0: the reading itself is a table too, contexts of this many tokens
+                                         # or more (0: off)
 
 
 Config = ExportConfig
@@ -230,6 +232,9 @@ def _check_drafter(cfg: ExportConfig) -> None:
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):
         if int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
+    if not 0 <= cfg.ngram_self_lookup <= cfg.ngram_order:
+        raise PipelineError(f"export.ngram_self_lookup must be 0 (off) or 1..export.ngram_order "
+                            f"({cfg.ngram_order}), got {cfg.ngram_self_lookup}")
     if cfg.draft_len > VERIFY_WIDTH - 1:
         raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
                             f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
@@ -257,9 +262,11 @@ def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage
             drafts[key] = (package.generate(images, max_length=max_length, batch_size=batch_size).token_ids,
                            folder.name)
         readings, read_by = drafts[key]
-        drafter = spec.build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None)
+        drafter = spec.build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None,
+                             cfg.ngram_self_lookup)
         source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
-                  "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "contexts": len(drafter.table)}
+                  "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "self_lookup": cfg.ngram_self_lookup,
+                  "contexts": len(drafter.table)}
     spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
     return source
 
