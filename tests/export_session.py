@@ -29,6 +29,7 @@ def run_export(*overrides: str):
     root = artifacts_root()
     settings = {"export.formulas": str(root / "formulas.txt"), "model.max_length": str(MAX_LENGTH),
                 "export.parity_images": "1", "export.parity_limit": "2",
+                "export.drafter": "ngram",  # speculative decoding on (off by default)
                 "export.draft_images": "8"}  # the ngram drafter from the package's readings of 8 train formulas
     settings.update(o.split("=", 1) for o in overrides)
     ctx = make_ctx(root, [f"{k}={v}" for k, v in settings.items()])

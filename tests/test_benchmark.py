@@ -32,7 +32,7 @@ def root(tmp_path_factory) -> Path:
     (root / "formulas.txt").write_text("\n".join(FORMULAS[:10]) + "\n")
     ctx = fake_ctx(root, [f"export.model={root / 'tiny-model'}", "export.quantized=none",
                           f"export.formulas={root / 'formulas.txt'}", "model.max_length=8", "export.parity_images=1",
-                          "export.parity_limit=2", "export.min_identical=0"])
+                          "export.parity_limit=2", "export.min_identical=0", "export.drafter=ngram"])
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     shutil.copytree(root / "export-ort_cpu", root / "other-package")
     return root

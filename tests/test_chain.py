@@ -66,7 +66,11 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     assert manifest["config"]["model_ref"] == "prune"  # export.model=auto: the model quantize used
     assert manifest["inputs"]["model"] == first["quantize"]["inputs"]["model"]
     assert manifest["inputs"]["qdq_encoder"] == first["quantize"]["outputs"]["encoder.ort_cpu.qdq.onnx"]
-    assert json.loads((pkg / "package.json").read_text())["precision"]["encoder"].startswith("int8 qdq")
+    meta = json.loads((pkg / "package.json").read_text())
+    assert meta["precision"]["encoder"].startswith("int8 qdq")
+    # the INT8 verify graph is in the package, the drafter only on request (export.drafter, off by default)
+    assert meta["graphs"]["decoder_verify"] == "decoder_verify.onnx" and "drafter" not in meta
+    assert meta["precision"]["decoder_verify"] == meta["precision"]["decoder_step"]
 
     # quantize.original: the model prune started from, with the chain's plan; export.baselines packages it
     applied = json.loads((tmp_path / "quantize-original" / "manifest.json").read_text())

@@ -65,7 +65,7 @@ def looping(tmp_path_factory):
     (root / "formulas.txt").write_text("\n".join(FORMULAS[:2]) + "\n")
     ctx = fake_ctx(root, [f"export.model={root / 'loop-model'}", "export.quantized=none",
                           f"export.formulas={root / 'formulas.txt'}", "model.max_length=12", "model.layout_run_cap=2",
-                          "export.parity_images=1", "export.parity_limit=2", "export.min_identical=1"])
+                          "export.parity_images=1", "export.parity_limit=2", "export.min_identical=1", "export.drafter=ngram"])
     export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     model = ctx.load_model(str(root / "loop-model"))
     images = torch.rand(2, *model.input_shape)
@@ -181,6 +181,8 @@ def test_bad_drafter_settings_are_one_clear_error(looping, tmp_path):
     for override, needle in (("export.drafter=magic", r"export\.drafter: unknown 'magic'; known: none, ngram, bpe"),
                              ("export.draft_len=0", r"export\.draft_len must be >= 1, got 0"),
                              ("export.draft_len=9", r"export\.draft_len must be <= 8 .*got 9"),
+                             ("export.min_speculative_identical=1.5",
+                              r"export\.min_speculative_identical must be in \[0, 1\], got 1\.5"),
                              ("export.ngram_self_lookup=13", r"export\.ngram_self_lookup must be 0 \(off\) or "
                                                              r"1\.\.export\.ngram_order \(12\), got 13")):
         ctx = fake_ctx(tmp_path, [override])

@@ -59,6 +59,7 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     assert s["drafter"] == "ngram" and s["identical"] == 1.0 and s["n"] == 2
     drafter = json.loads((ort_pkg / "drafter.json").read_text())
     assert drafter["kind"] == "ngram" and "8 train formulas" in drafter["source"]["readings"]
+    assert drafter["source"]["readings"].endswith("by package export-ort_cpu")  # its name, not the temporary folder's
     fast, plain = OnnxPackage(ort_pkg, threads=1), OnnxPackage(ort_pkg, threads=1, speculative=False)
     assert fast.speculative and not plain.speculative
     # formulas of another package than the drafter's, the layout cap on (the model config's default)

@@ -53,7 +53,8 @@ def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
         "batch 1 with a drafter: decoder_verify checks the last written token and up to draft_len drafted "
         "tokens in one call (logits after each); greedy's choice (bans, layout cap) is taken at every "
         "position, drafts are accepted while they equal it, the first that differs is written too, and the "
-        "present K/V is cut to the tokens written: token for token greedy's reading")
+        "present K/V is cut to the tokens written: greedy's reading token for token, up to near-ties the verify "
+        "graph rounds unlike the step")
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 

@@ -454,7 +454,7 @@ def _write_report(folder: Path, m: dict) -> None:
         lines += ["## Speculative decoding", "", "Each package with a drafter reads every split at batch 1 twice, "
                   "image by image in turn: speculatively (its drafter proposes, `decoder_verify` checks the drafts "
                   "in one call) and plain greedy (`decoder_step`, one call a token). Identical: the share of "
-                  "formulas whose tokens are the same in both (by construction 1). Decoder calls include the "
+                  "formulas whose tokens are the same in both (1 up to near-ties: the verify graph rounds unlike the step, docs/export.md). Decoder calls include the "
                   "first; decoder ms per formula from the same reads. End to end: a formula's whole reading "
                   f"(preprocessed image in, tokens out) at batch 1, mean ms, with `{BASELINE_LABEL}` (plain greedy) "
                   "read in the same turn where it is benchmarked.", "",
