@@ -200,7 +200,8 @@ class OnnxPackage:
 
     def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         """Up to ``verify_width`` tokens after ``past`` (batch 1) in one call: logits [1, T, V] after
-        each of the T, present grown by the graph's width (padding: :class:`FixedWidthVerify`)."""
+        each of the T, present grown by T or more (a padded call's extra K/V included, for the caller to cut;
+        a lone token goes to the step graph: :class:`FixedWidthVerify`)."""
         if self._fixed is None:
             self._fixed = FixedWidthVerify(self._verify_run, self.step, self.verify_width, self.max_positions)
         return self._fixed(input_ids, past, cross)
