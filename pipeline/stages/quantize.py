@@ -15,8 +15,10 @@ encoder to float ONNX with the export stage's graph code, and with the calibrate
 5. checks the result on eval-split formulas next to the anchors (float, ``quantize_dynamic``,
    ``quantize_static`` defaults, ModelOpt INT8) in one table.
 
-Scheme: symmetric INT8, per-channel weights, per-tensor activations, explicit Q/DQ. The decoder
-graphs stay float (FP32 on ``ort_cpu``; export casts them to FP16 for TensorRT / Metax).
+Scheme: symmetric INT8, per-channel weights, per-tensor activations, explicit Q/DQ. The ort_cpu decoder
+graphs (first, step, verify) get 8-bit weights (``MatMulNBits``) node by node as the budget allows
+(``quantize.decoder``, on by default); the other targets' decoders stay float (export casts them to
+FP16 for TensorRT / Metax).
 """
 from __future__ import annotations
 
