@@ -52,11 +52,6 @@ def run_stages(cfg: DictConfig, ctx=None) -> dict:
     results = {}
     for name in names:
         spec = STAGES[name]
-        if not spec.built:
-            if cfg.stage == "all":
-                log.warning(f"[{name}] not built yet: skipped")
-                continue
-            raise PipelineError(f"stage {name!r} is not built yet")
         stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
         if cfg.stage == "all" and not getattr(stage_cfg, "in_chain", True):
             log.info(f"[{name}] off in stage=all ({spec.config_key}.in_chain=false): skipped")

@@ -50,20 +50,6 @@ def test_defaults_compose_and_stage_group_selects_stage():
     assert typed.eval.limit == 7 and typed.eval.model == "original"
 
 
-def test_unbuilt_stage_says_so(monkeypatch, tmp_path):
-    from dataclasses import replace
-
-    from pipeline import stages
-    from pipeline.__main__ import run_stages
-    from pipeline.errors import PipelineError
-
-    spec = replace(stages.STAGES["quantize"], built=False)
-    monkeypatch.setitem(stages.STAGES, "quantize", spec)
-    cfg = compose_cfg(["stage=quantize", f"artifacts.dir={tmp_path}"])
-    with pytest.raises(PipelineError, match="stage 'quantize' is not built yet"):
-        run_stages(cfg)
-
-
 @pytest.mark.parametrize("in_chain", [False, True])
 def test_stage_all_runs_distill_only_when_it_is_in_the_chain(monkeypatch, tmp_path, in_chain):
     from dataclasses import replace

@@ -20,7 +20,6 @@ class StageSpec:
     config_key: str
     config_cls: Any
     run: Callable[..., Any]
-    built: bool
     doc: str
 
 
@@ -29,7 +28,7 @@ def _load() -> dict[str, StageSpec]:
     for name in ORDER + EXTRA:
         mod = importlib.import_module(f"pipeline.stages.{name}")
         specs[name] = StageSpec(name=mod.NAME, config_key=mod.CONFIG_KEY, config_cls=mod.Config,
-                                run=mod.run, built=bool(getattr(mod, "BUILT", True)),
+                                run=mod.run,
                                 doc=(mod.__doc__ or "").strip().splitlines()[0])
     return specs
 

@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 
 NAME = "calibrate"
 CONFIG_KEY = "calibrate"
-BUILT = True
 SET_DIR = "calib_set"
 TENSOR_COLUMN = "pixel_values"
 CHUNK = 128  # rows converted to Arrow at a time (bounds peak memory for large sets)

@@ -40,7 +40,6 @@ from pipeline.reports import markdown_table, savefig
 log = logging.getLogger(__name__)
 NAME = "prune"
 CONFIG_KEY = "prune"
-BUILT = True
 
 
 @dataclass

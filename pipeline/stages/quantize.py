@@ -51,7 +51,6 @@ from pipeline.reports import Phases, markdown_table, plt, savefig
 
 NAME = "quantize"
 CONFIG_KEY = "quantize"
-BUILT = True
 log = logging.getLogger(__name__)
 QDQ_ENCODER = "encoder.qdq.onnx"              # plain ops + Q/DQ: TensorRT, Metax
 QDQ_ENCODER_ORT = "encoder.ort_cpu.qdq.onnx"  # ONNX Runtime fusions + Q/DQ: ort_cpu

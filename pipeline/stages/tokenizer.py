@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 NAME = "tokenizer"
 CONFIG_KEY = "tokenizer"
-BUILT = True
 TOKENIZER_FILE = "tokenizer.json"
 BASELINE_FILE = "baseline_bytelevel_bpe.json"
 # the three tokenizers the stage compares, in the order its table and summary line show them
