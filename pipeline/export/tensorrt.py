@@ -12,11 +12,11 @@ from pipeline.errors import PipelineError
 Shape = tuple[int, ...]
 
 
-def profiles(meta: dict, max_batch: int, opt_len: int, verify_tokens: int = 9
-             ) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
+def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
     """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
     request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
-    ``decoder_verify`` at batch 1 and its fixed width (``meta['verify_width']``, else ``verify_tokens``)."""
+    ``decoder_verify`` at batch 1 and its fixed width (``meta['verify_width']``, which package.json holds
+    wherever the graph is)."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
@@ -39,7 +39,7 @@ def profiles(meta: dict, max_batch: int, opt_len: int, verify_tokens: int = 9
         else:
             out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
     if "decoder_verify" in meta.get("graphs", {}):
-        width = int(meta.get("verify_width", verify_tokens))  # fixed in the graph: batch 1, width tokens
+        width = int(meta["verify_width"])  # fixed in the graph: batch 1, width tokens
         out["decoder_verify"] = {"input_ids": ((1, width), (1, width), (1, width))}
         for name, shape in out["decoder_step"].items():
             if name != "input_ids":

@@ -65,16 +65,21 @@ def to_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def _weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """MatMul nodes with a constant weight: node name -> the weight."""
+    inits = {t.name: t for t in model.graph.initializer}
+    return {n.name: numpy_helper.to_array(inits[n.input[1]]) for n in model.graph.node
+            if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits}
+
+
+def _digest(arr: np.ndarray) -> str:
+    return hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()[:16]
+
+
 def weight_nodes(model: onnx.ModelProto) -> dict[str, str]:
     """MatMul nodes with a constant weight: node name -> a digest of the weight (the same matrix in
     ``decoder_first`` and ``decoder_step`` has the same digest, whatever the exporter named it)."""
-    inits = {t.name: t for t in model.graph.initializer}
-    out = {}
-    for n in model.graph.node:
-        if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits:
-            arr = numpy_helper.to_array(inits[n.input[1]])
-            out[n.name] = hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()[:16]
-    return out
+    return {name: _digest(w) for name, w in _weights(model).items()}
 
 
 def quantize(model_path: Path, out: Path, nodes: Sequence[str]) -> None:
@@ -100,53 +105,47 @@ def quantize(model_path: Path, out: Path, nodes: Sequence[str]) -> None:
         raise PipelineError(f"onnxruntime's MatMulNBitsQuantizer wrote no graph for {model_path.name}")
 
 
-def same_plan(step_digests: dict[str, str], first_digests: dict[str, str], int8_step: Sequence[str]) -> list[str]:
-    """The ``decoder_first`` nodes holding the same weights as the INT8 nodes of ``decoder_step``."""
-    wanted = {step_digests[n] for n in int8_step}
-    return [n for n, d in first_digests.items() if d in wanted]
-
-
-def follow_plan(step: onnx.ModelProto, other: onnx.ModelProto, int8_step: Sequence[str]) -> list[str]:
-    """The MatMul nodes of ``other`` (MatMul form) to make 8-bit so that it computes what ``step`` with
-    ``int8_step`` in 8 bits does: a node holding one of the step's weights follows that weight's node;
-    a node holding several side by side (ORT's optimizer merges q, k and v into one matrix where the
-    shapes are fixed) is 8-bit when all of them are, float when none is. ``MatMulNBits`` quantizes
-    each output column on its own (blocks run along the input), so a merged matrix in 8 bits holds
-    exactly the values of its parts in 8 bits. A merge of 8-bit and float parts cannot follow the
-    plan: ``ValueError``."""
-    def weights(model):
-        inits = {t.name: t for t in model.graph.initializer}
-        return {n.name: numpy_helper.to_array(inits[n.input[1]]) for n in model.graph.node
-                if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits}
-
-    def digest(arr: np.ndarray) -> str:
-        arr = np.ascontiguousarray(arr)
-        return hashlib.sha256(arr.tobytes() + str(arr.shape).encode()).hexdigest()[:16]
-
-    step_w = weights(step)
-    by_digest = {digest(w): name for name, w in step_w.items()}
+def weight_parts(step: onnx.ModelProto, other: onnx.ModelProto) -> dict[str, list[str]]:
+    """The MatMul nodes of ``other`` (MatMul form) that hold ``step``'s weights -> those step nodes, in
+    column order: one for a node holding one of the step's weights, several where ORT's optimizer merged
+    q, k and v into one matrix (the shapes fixed). A node holding a weight the step does not have
+    (decoder_first's cross-attention K/V) is left out. Computed once; :func:`follow_plan` then maps
+    each candidate plan."""
+    step_w = _weights(step)
+    by_digest = {_digest(w): name for name, w in step_w.items()}
     widths = sorted({w.shape[1] for w in step_w.values()}, reverse=True)
-    chosen = set(int8_step)
-    out = []
-    for name, w in weights(other).items():
+    out = {}
+    for name, w in _weights(other).items():
         parts, at = [], 0
         while at < w.shape[1]:
             found = next((by_digest[d] for width in widths if at + width <= w.shape[1]
-                          for d in [digest(w[:, at:at + width])] if d in by_digest and
+                          for d in [_digest(w[:, at:at + width])] if d in by_digest and
                           step_w[by_digest[d]].shape[0] == w.shape[0]), None)
             if found is None:
                 parts = []
                 break
             parts.append(found)
             at += step_w[found].shape[1]
-        if not parts:
-            continue  # a weight the step does not have (decoder_first's cross-attention K/V): float
-        eight = [p in chosen for p in parts]
+        if parts:
+            out[name] = parts
+    return out
+
+
+def follow_plan(parts: dict[str, list[str]], int8_step: Sequence[str]) -> list[str]:
+    """The nodes of another decoder graph (``parts``: :func:`weight_parts`) to make 8-bit so that it
+    computes what the step with ``int8_step`` in 8 bits does: a node follows the step's node whose weight
+    it holds; a merged node is 8-bit when all its parts are, float when none is (``MatMulNBits``
+    quantizes each output column on its own, blocks along the input, so a merged matrix in 8 bits holds
+    exactly its parts in 8 bits). A merge of 8-bit and float parts cannot follow the plan: ``ValueError``."""
+    chosen = set(int8_step)
+    out = []
+    for name, held in parts.items():
+        eight = [p in chosen for p in held]
         if all(eight):
             out.append(name)
         elif any(eight):
             raise ValueError(f"{name} merges decoder_step weights of which some are 8-bit and some float "
-                             f"({', '.join(parts)})")
+                             f"({', '.join(held)})")
     return out
 
 

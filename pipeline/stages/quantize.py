@@ -609,13 +609,15 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
         if (graphs.package_dir / f"{g}.onnx").is_file():
             mm[g] = scratch / f"{g}.matmul.onnx"
             onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
-    step_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_step"])))
-    first_nodes = qdec.weight_nodes(onnx.load(str(mm["decoder_first"])))
+    step_model = onnx.load(str(mm["decoder_step"]))
+    step_nodes = qdec.weight_nodes(step_model)
+    # the other decoder graphs' nodes -> the step's weights they hold (followed by every candidate plan)
+    parts = {g: qdec.weight_parts(step_model, onnx.load(str(mm[g]))) for g in mm if g != "decoder_step"}
 
     def made(int8_step: list[str], tag: str) -> dict[str, Path]:
         out = {"decoder_step": scratch / f"decoder_step.{tag}.onnx", "decoder_first": scratch / f"decoder_first.{tag}.onnx"}
         qdec.quantize(mm["decoder_step"], out["decoder_step"], int8_step)
-        qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.same_plan(step_nodes, first_nodes, int8_step))
+        qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.follow_plan(parts["decoder_first"], int8_step))
         return out
 
     def reading(decoders: dict[str, Path], against: Optional[Reading] = None) -> Reading:
@@ -666,7 +668,7 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
     final = made(int8, "final")
     if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
         try:
-            nodes = qdec.follow_plan(onnx.load(str(mm["decoder_step"])), onnx.load(str(mm["decoder_verify"])), int8)
+            nodes = qdec.follow_plan(parts["decoder_verify"], int8)
         except ValueError as exc:
             log.warning(f"[quantize] no INT8 verify graph (the packages decode plain greedy): {exc}")
         else:
