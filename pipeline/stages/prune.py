@@ -35,7 +35,7 @@ from pipeline import readings
 from pipeline.device import placed
 from pipeline.pruning import count, recover, scores as head_scores, select
 from pipeline.pruning.heads import projections
-from pipeline.reports import markdown_table, savefig
+from pipeline.reports import Phases, markdown_table, savefig
 
 log = logging.getLogger(__name__)
 NAME = "prune"
@@ -199,6 +199,7 @@ def _clone(adapter):
 # ---- the stage --------------------------------------------------------------------------------
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     _validate(cfg)
+    phases = Phases()
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     original = ctx.load_model(cfg.model)
@@ -241,6 +242,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         if config[key] == before:  # the finetune as it was before these options: same keys
             config.pop(key)
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
+    phases.lap("head scores")
     if "shift" in cfg.eval_splits:  # after the head scores: their cache does not depend on it
         inputs["shift"] = sha256_json([(f.id, f.latex) for f in ctx.split("shift")])
 
@@ -273,20 +275,25 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         tune = _finetune_set(cfg, ctx, original, train_images, train_latex, varied[:cfg.finetune_varied]) \
             if cfg.recovery and changed and cfg.finetune_steps else None
         eval_items = _eval_items(cfg, ctx, original)
+        phases.lap("render and finetune targets")
 
         variants: dict[str, dict] = {}
         variants["original"] = _baseline(original, eval_items, cfg, ctx, inputs)
+        phases.lap("original's check reading")
 
         pruned_raw = _clone(original)
         pruned_raw.remove_encoder_heads(removed)
         pruned_raw.pool_encoder_keys(pools)
         variants["pruned, before recovery"] = _measure(pruned_raw, original, eval_items, cfg, ctx, "pruned")
+        phases.lap("check reading before recovery")
 
         recovery_log: dict = {}
         if cfg.recovery and changed:
             pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
                                         recovery_log, resume / "pruned", refit_extra, tune, pools)
+            phases.lap("recovery")
             variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
+            phases.lap("check reading after recovery")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
@@ -297,11 +304,13 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
             recovery_log["random"] = rnd_log
+            phases.lap("random heads")
 
         pruned.save(out.path / "model")
         reload_ok = _reload_identical(ctx, out.path / "model", pruned, next(iter(eval_items.values())))
         if not reload_ok:
             raise PipelineError("the saved pruned model does not reload with identical outputs")
+        phases.lap("save and reload")
 
         correlations = {c: head_scores.spearman(_flat(all_scores[c]), _flat(all_scores["ablation"]))
                         for c in all_scores if c != "ablation"} if "ablation" in all_scores else {}
@@ -318,6 +327,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "flops_per_head": per_head, "spearman_vs_ablation": correlations,
             "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
             "eval_n": len(next(iter(eval_items.values()))), "max_length": max_length,
+            "phase_seconds": phases.seconds,
         }
         final = variants.get("pruned, after recovery", variants["pruned, before recovery"])
         metrics["splits"] = {split: _holds(final["splits"][split], variants["original"]["splits"][split], cfg)
@@ -629,4 +639,6 @@ def _write_report(folder: Path, cfg: PruneConfig, m: dict, all_scores: dict, rem
         f"{cfg.cer_tolerance:.0%} (relative) against the original:\n\n{holds}\n\n"
         f"![head scores](head_scores.png)\n\n{corr}## Recovery\n\n{rec_lines or 'none'}\n\nRecovery CPU minutes (pruned model): "
         f"{rec.get('cpu_minutes', 0.0):.1f}. The saved model reloads with identical encoder outputs: "
-        f"{m['reload_identical']}.\n")
+        f"{m['reload_identical']}.\n"
+        + (f"\n## Where the time went\n\n" + ", ".join(f"{k} {v:.0f} s" for k, v in m["phase_seconds"].items())
+           + "\n" if m.get("phase_seconds") else ""))
