@@ -718,6 +718,28 @@ def test_plan_search_never_reads_the_float_model(losses, want):
     assert n not in asked and asked[0] == 0 and len(asked) == len(set(asked))
 
 
+def test_plan_search_gallops_from_all_int8():
+    """Every monotone loss curve: the search returns the smallest k within the budget (what a binary
+    search over 0..n returns), and a plan that returns one group of 26 to float reads k = 0 and 1
+    only: candidates over the budget stop early, those within it are read whole."""
+    import random
+
+    from pipeline.stages.quantize import _smallest_within
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 30)
+        drops = sorted((rng.random() for _ in range(n)), reverse=True)
+        losses = [max(0.0, 0.05 * sum(drops[k:]) - 0.01) for k in range(n)] + [0.0]
+        asked = []
+        got = _smallest_within(lambda k: asked.append(k) or losses[k], n, 0.005, progress=False)
+        assert got == min(k for k in range(n + 1) if losses[k] <= 0.005)
+        assert n not in asked and len(asked) <= 2 * max(1, n).bit_length() + 1
+    asked = []
+    assert _smallest_within(lambda k: asked.append(k) or (0.5 if k == 0 else 0.0), 26, 0.005, progress=False) == 1
+    assert asked == [0, 1]
+
+
 def test_check_off_leaves_the_plan_and_graphs_and_says_so(root, searched):
     """quantize.check=false (stage=all): the same plan and graphs, no eval check, no Pareto plot."""
     _run(root, "quantize.check=false", "quantize.name=quantize-nocheck")

@@ -687,14 +687,29 @@ def _decoder_plan(cfg: QuantizeConfig, graphs: FloatGraphs, folder: Path, scratc
 
 
 def _smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> int:
-    """Smallest number of most-sensitive groups returned to float whose loss is within ``budget``;
-    binary search, assuming the loss does not grow as groups return to float. Every group float is
-    the float model itself (loss 0 by definition): it is never read, and always within budget."""
+    """Smallest number of most-sensitive groups returned to float whose loss is within ``budget``,
+    assuming the loss does not grow as groups return to float (the binary search's assumption).
+
+    A galloping search from the all-INT8 end: k = 0, 1, 2, 4, ... until a candidate is within the
+    budget, then a binary search between the last one over it and that one. Under the assumption it
+    returns exactly what a binary search over 0..n returns, but a plan usually returns few groups to
+    float, and there the candidates it reads are the cheap ones: a candidate clearly over the budget
+    stops after its first chunk (:func:`read_or_reject`) while one within it is read whole, and a
+    binary search from the middle reads every candidate above the answer whole (chain run 1: four
+    whole readings of 512 formulas for k = 13, 6, 3, 1; galloping: k = 0 stopped, k = 1 whole). Every
+    group float is the float model itself (loss 0 by definition): it is never read."""
     bar = tqdm(total=max(1, int(np.ceil(np.log2(n + 1)))), desc="plan search", disable=not progress)
     try:
         if n == 0 or loss_with_float(0) <= budget + 1e-9:
             return 0
         lo, hi = 0, n  # loss(lo) > budget; loss(hi) = 0
+        step = 1
+        while lo + step < hi:  # gallop: the first within the budget bounds the answer from above
+            bar.update()
+            if loss_with_float(lo + step) <= budget + 1e-9:
+                hi = lo + step
+                break
+            lo, step = lo + step, step * 2
         while hi - lo > 1:
             mid = (lo + hi) // 2
             bar.update()
