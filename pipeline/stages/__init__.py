@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 # Order of ``stage=all``: the baseline first, then each stage reading the previous one's artifacts.
 ORDER = ("evaluate", "prune", "tokenizer", "distill", "calibrate", "quantize", "export", "benchmark")
-EXTRA = ("infer",)
+EXTRA = ("infer", "serve")
 # Stages whose images come from the ``data`` group (quantize through calibrate's set); every other
 # stage reads the corpus or its own keys and refuses ``data=image_folder|hf_disk`` in one line
 DATA_STAGES = ("calibrate", "quantize")
