@@ -75,9 +75,13 @@ def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tm
 def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     _, manifest = _run(tmp_path, tiny_folder, "prune.flops_reduction=0.1", "prune.iterations=2",
                        "prune.compare_random=false", "prune.finetune_steps=0", "prune.name=prune-f10",
-                       "prune.refit_varied=3")
+                       "prune.refit_varied=3", "prune.check_before_recovery=false")
     m = manifest["metrics"]
     assert m["flops_reduction"] >= 0.1
+    # stage=all's setting: no reading of the pruned model before its recovery, the rest as usual
+    assert set(m["variants"]) == {"original", "pruned, after recovery"}
+    assert "check reading before recovery" not in m["phase_seconds"] and m["phase_seconds"]["recovery"] > 0
+    assert "## Where the time went" in (tmp_path / "prune-f10" / "report.md").read_text()
     assert len(m["recovery"]["rounds"]) == 2
     # the varied grammar's images join the train images in every round's refit
     assert [r["refit_images"] for r in m["recovery"]["rounds"]] == [4 + 3, 4 + 3]
