@@ -47,12 +47,24 @@ def run_stages(cfg: DictConfig, ctx=None) -> dict:
     if cfg.model.threads:
         import torch
         torch.set_num_threads(int(cfg.model.threads))
-    ctx = ctx if ctx is not None else StageContext(cfg)
     names = list(ORDER) if cfg.stage == "all" else [cfg.stage]
+    stage_cfgs = {}
+    for name in names:  # every stage's keys before the first one runs
+        spec = STAGES[name]
+        stage_cfgs[name] = OmegaConf.to_object(cfg[spec.config_key])
+        if cfg.stage == "all" and not getattr(stage_cfgs[name], "in_chain", True):
+            continue
+        try:
+            spec.validate(stage_cfgs[name])
+        except PipelineError as exc:
+            if cfg.stage != "all":
+                raise
+            raise type(exc)(f"stage=all, stage {name}: {exc}") from None
+    ctx = ctx if ctx is not None else StageContext(cfg)
     results = {}
     for name in names:
         spec = STAGES[name]
-        stage_cfg = OmegaConf.to_object(cfg[spec.config_key])
+        stage_cfg = stage_cfgs[name]
         if cfg.stage == "all" and not getattr(stage_cfg, "in_chain", True):
             log.info(f"[{name}] off in stage=all ({spec.config_key}.in_chain=false): skipped")
             continue

@@ -486,6 +486,33 @@ def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize("override, stage, needle", [
+    ("prune.ratio=1.5", "prune", "prune.ratio must be in [0, 1)"),
+    ("tokenizer.vocab_size=2", "tokenizer", "tokenizer.vocab_size"),
+    ("calibrate.size=0", "calibrate", "calibrate.size must be"),
+    ("quantize.budget=2", "quantize", "quantize.budget must be in [0, 1)"),
+    ("export.targets=[nosuch]", "export", "export.targets: unknown ['nosuch']"),
+    ("benchmark.samples=0", "benchmark", "benchmark.samples must be >= 1"),
+])
+def test_every_stage_of_the_chain_checks_its_keys_before_the_first_one_runs(tmp_path, override, stage, needle):
+    """stage=all: a bad key of any stage (the last one's included) fails before prune starts, naming
+    the stage; nothing is written."""
+    from conftest import compose_cfg
+    from pipeline.__main__ import run_stages
+    from pipeline.errors import PipelineError
+
+    cfg = compose_cfg(["stage=all", override, f"artifacts.dir={tmp_path / 'a'}"])
+    with pytest.raises(PipelineError, match=re.escape(f"stage=all, stage {stage}: {needle}")):
+        run_stages(cfg)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_bad_key_of_the_chains_fifth_stage_is_one_line_in_seconds(tmp_path):
+    one_error(run_cli("stage=all", "quantize.budget=2", f"artifacts.dir={tmp_path / 'a'}"),
+              "error: stage=all, stage quantize: quantize.budget must be in [0, 1)")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == [".hydra"]  # Hydra's record of the run, no stage's output
+
+
 def test_a_cap_above_the_models_position_table_is_refused_with_its_limit(work, tmp_path):
     one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.formulas={work / 'formulas.txt'}",
                       f"model.max_length={TINY_MAX_POSITIONS + 1}", f"artifacts.dir={tmp_path / 'a'}"),

@@ -1,5 +1,8 @@
 """The stage registry. Each stage is one module with ``NAME``, ``CONFIG_KEY``, a typed ``Config``
-dataclass and ``run(cfg, ctx)``; stages never import each other, they meet through artifacts."""
+dataclass and ``run(cfg, ctx)``, and where its keys need more than the dataclass's own checks a
+``validate(cfg)`` that the command line calls for every stage it will run before the first one starts
+(a bad key of the last stage of ``stage=all`` fails in seconds, not after an hour); stages never
+import each other, they meet through artifacts."""
 from __future__ import annotations
 
 import importlib
@@ -21,6 +24,11 @@ class StageSpec:
     config_cls: Any
     run: Callable[..., Any]
     doc: str
+    validate: Callable[[Any], None]
+
+
+def _no_checks(cfg: Any) -> None:
+    """A stage whose dataclass checks its own keys (``__post_init__``)."""
 
 
 def _load() -> dict[str, StageSpec]:
@@ -28,7 +36,7 @@ def _load() -> dict[str, StageSpec]:
     for name in ORDER + EXTRA:
         mod = importlib.import_module(f"pipeline.stages.{name}")
         specs[name] = StageSpec(name=mod.NAME, config_key=mod.CONFIG_KEY, config_cls=mod.Config,
-                                run=mod.run,
+                                run=mod.run, validate=getattr(mod, "validate", _no_checks),
                                 doc=(mod.__doc__ or "").strip().splitlines()[0])
     return specs
 

@@ -87,7 +87,7 @@ class BenchmarkConfig:
 Config = BenchmarkConfig
 
 
-def _validate(cfg: BenchmarkConfig) -> None:
+def validate(cfg: BenchmarkConfig) -> None:
     for key in ("full_prefix_limit", "samples", "batch_size", "threads", "clients", "requests", "memory_images",
                 "workers", "timing_images"):
         if getattr(cfg, key) < 1:
@@ -130,7 +130,7 @@ def _default_folder(ctx: StageContext, label: str, ref: str) -> Path:
 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
-    _validate(cfg)
+    validate(cfg)
     # a sweep job's own packages (export-ort_cpu-<job tag>); outside a sweep, or for a job that overrides
     # no chain key, the shared ones
     defaults = {label: str(_default_folder(ctx, label, ref)) for label, ref in DEFAULT_PACKAGES.items()} \

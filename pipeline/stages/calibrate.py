@@ -70,13 +70,18 @@ def open_source(ctx: StageContext, workers: int) -> tuple[sets.Source, dict[str,
     raise PipelineError(f"data.kind {kind!r} unknown; known: corpus, image_folder, hf_disk")
 
 
-def run(cfg: CalibrateConfig, ctx: StageContext) -> dict:
+def validate(cfg: CalibrateConfig) -> None:
+    """The stage's keys, before any stage runs (also under stage=all)."""
     if not sets.MIN_SIZE <= cfg.size <= sets.MAX_SIZE:
         raise PipelineError(f"calibrate.size must be {sets.MIN_SIZE}-{sets.MAX_SIZE}, got {cfg.size}")
     if not 0 <= cfg.near_duplicate < 1:
         raise PipelineError(f"calibrate.near_duplicate must be in [0, 1), got {cfg.near_duplicate}")
     if cfg.workers < 0:
         raise PipelineError(f"calibrate.workers must be >= 0, got {cfg.workers}")
+
+
+def run(cfg: CalibrateConfig, ctx: StageContext) -> dict:
+    validate(cfg)
     source, inputs = open_source(ctx, cfg.workers)
     inputs["model"] = ctx.model_hash(cfg.model)
     data = ctx.cfg.data

@@ -93,7 +93,7 @@ class DistillConfig:
 Config = DistillConfig
 
 
-def _validate(cfg: DistillConfig) -> None:
+def validate(cfg: DistillConfig) -> None:
     for key in ("steps", "batch", "eval_images"):
         if getattr(cfg, key) < 1:
             raise PipelineError(f"distill.{key} must be >= 1, got {getattr(cfg, key)}")
@@ -201,7 +201,7 @@ def _read(adapter, memory: torch.Tensor, truths: list[str], max_length: int, bat
 
 # ---- the stage ----------------------------------------------------------------------------------
 def run(cfg: DistillConfig, ctx: StageContext) -> dict:
-    _validate(cfg)
+    validate(cfg)
     max_length, batch_size = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
     model_ref = ctx.chain_model(cfg.model, upstream=("prune",))
     tok_file = _tokenizer_file(cfg.tokenizer, ctx)

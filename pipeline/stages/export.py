@@ -168,10 +168,7 @@ QUANTIZE_ORIGINAL = "quantize-original"           # where stage quantize writes 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     """One package for the ``target`` group, or one per name in ``export.targets``; with
     ``export.baselines`` also the ort_cpu packages the benchmark compares them with."""
-    unknown = [t for t in cfg.targets if t not in KNOWN]
-    if unknown:
-        raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
-    _check_drafter(cfg)
+    validate(cfg)
     references: dict = {}  # torch's parity reading per (model, formulas, cap, batch): once for all targets
     drafts: dict = {}      # the drafter's readings per (model, formulas, cap): once for all targets
     if not cfg.targets:
@@ -233,7 +230,11 @@ def _reference(references: dict, key: tuple):
     return None
 
 
-def _check_drafter(cfg: ExportConfig) -> None:
+def validate(cfg: ExportConfig) -> None:
+    """The stage's keys, before any stage runs (also under stage=all)."""
+    unknown = [t for t in cfg.targets if t not in KNOWN]
+    if unknown:
+        raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
     if cfg.drafter not in spec.KINDS:
         raise PipelineError(f"export.drafter: unknown {cfg.drafter!r}; known: {', '.join(spec.KINDS)}")
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):

@@ -117,7 +117,7 @@ Config = PruneConfig
 
 
 # ---- validation -------------------------------------------------------------------------------
-def _validate(cfg: PruneConfig) -> None:
+def validate(cfg: PruneConfig) -> None:
     for c in [cfg.criterion, *cfg.compare_criteria]:
         if c not in head_scores.CRITERIA:
             raise PipelineError(f"prune.criterion and prune.compare_criteria take {', '.join(head_scores.CRITERIA)}; "
@@ -202,7 +202,7 @@ def _clone(adapter):
 
 # ---- the stage --------------------------------------------------------------------------------
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
-    _validate(cfg)
+    validate(cfg)
     phases = Phases()
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)

@@ -128,7 +128,7 @@ class QuantizeConfig:
 Config = QuantizeConfig
 
 
-def _validate(cfg: QuantizeConfig) -> None:
+def validate(cfg: QuantizeConfig) -> None:
     if cfg.search_chunk < 0:
         raise PipelineError(f"quantize.search_chunk must be >= 0 (0: read every candidate whole), got {cfg.search_chunk}")
     for key in ("calib_images", "search_images", "sensitivity_images", "eval_limit", "latency_images",
@@ -177,7 +177,7 @@ QUANTIZE_ORIGINAL = "quantize-original"  # the original model with the chain mod
 def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     """The chain model's plan and graphs; with ``quantize.original`` (and a chain model that a stage
     made) also the graphs of the model it was made from, with that plan applied."""
-    _validate(cfg)
+    validate(cfg)
     manifest = _run_one(cfg, ctx)
     origin = ctx.chain_origin(manifest["config"]["model_ref"]) if cfg.original else None
     if origin is None or origin == manifest["config"]["model_ref"]:

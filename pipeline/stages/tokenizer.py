@@ -91,7 +91,7 @@ def load_formulas(cfg: TokenizerConfig, ctx: StageContext) -> tuple[dict, dict]:
     return sources, inputs
 
 
-def _validate(cfg: TokenizerConfig) -> None:
+def validate(cfg: TokenizerConfig) -> None:
     if cfg.vocab_size < len(SPECIALS) + 1:
         raise PipelineError(f"tokenizer.vocab_size must be positive and hold the special tokens, got {cfg.vocab_size}")
     if cfg.split == "shift" and not cfg.corpus:
@@ -147,7 +147,7 @@ def resolve_decode_step_ms(cfg: TokenizerConfig, ctx: StageContext) -> tuple[Opt
 
 
 def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
-    _validate(cfg)
+    validate(cfg)
     sources, inputs = load_formulas(cfg, ctx)
     char_tok = model_char_vocabulary()
     inputs["model_vocabulary"] = ctx.model_hash("original")
