@@ -241,6 +241,41 @@ def test_refit_reduces_attention_error(tiny):
     assert after < before
 
 
+def test_refit_replaying_each_block_gives_the_weights_of_real_passes_bit_for_bit(tiny):
+    """The refit runs each block alone on its kept inputs (its output the next block's input) instead
+    of the encoder from the image up to it: same batches, same modules, the same weights exactly; a
+    block whose input is not the previous block's output falls back to real passes."""
+    import copy
+
+    from pipeline.pruning import recover
+
+    x = torch.rand(7, *tiny.input_shape, generator=torch.Generator().manual_seed(5))
+
+    def refit(replay: bool, model=None):
+        pruned = copy.copy(tiny)
+        pruned.model = copy.deepcopy(model or tiny.model)
+        pruned.remove_encoder_heads({0: [1, 2], 1: [0]})
+        pruned.pool_encoder_keys({0: [1, 2]})
+        report = recover.refit(pruned, tiny, x, [0, 1], ridge=1e-1, batch_size=3, replay=replay)
+        return pruned.model.state_dict(), report
+
+    (fast, fast_report), (slow, slow_report) = refit(True), refit(False)
+    assert fast_report == slow_report and all(torch.equal(fast[k], slow[k]) for k in slow)
+    # a model that scales the stream between its blocks: block 0's output is not block 1's input
+    import types
+
+    def encode(self, images):
+        x = self.patch_embed(images)
+        for i, block in enumerate(self.encoder_blocks):
+            x = block(x * 0.5 if i else x)
+        return self.encoder_norm(x)
+
+    twisted = copy.deepcopy(tiny.model)
+    twisted.encode = types.MethodType(encode, twisted)
+    (fast, fast_report), (slow, slow_report) = refit(True, twisted), refit(False, twisted)
+    assert fast_report == slow_report and all(torch.equal(fast[k], slow[k]) for k in slow)
+
+
 def test_refit_of_an_unpruned_model_keeps_it(tiny):
     """The ridge penalty pulls towards the current weights: with nothing pruned there is nothing to fix."""
     import copy
