@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.adapters.base import ModelAdapter, load_adapter
+from pipeline.adapters.base import ModelAdapter, adapter_class, load_adapter
 from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, sha256_json, stage_output
 from pipeline.data.corpus import SHIFT, Formula, build_corpus, build_shift_split, read_jsonl, write_jsonl
 from pipeline.errors import ConfigError, PipelineError
@@ -226,6 +226,14 @@ class StageContext:
         layout-run cap when on ({} when off, so artifacts from before the cap keep their keys)."""
         cap = int(self.cfg.model.layout_run_cap)
         return {"layout_run_cap": cap} if cap else {}
+
+    def model_tokenizer(self, ref: str = "original") -> tuple[Any, list[str]]:
+        """The model's tokenizer and its output vocabulary (token strings in id order), from its
+        adapter, without loading the weights."""
+        folder = self.model_folder(ref)
+        cls = adapter_class(self.cfg.model.adapter)
+        source = "package" if folder is None else str(folder)
+        return cls.text_tokenizer(source), cls.vocabulary(source)
 
     def model_hash(self, ref: str = "original") -> str:
         folder = self.model_folder(ref)

@@ -107,7 +107,8 @@ def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_
     """``distill.in_chain=true``: prune -> distill -> quantize -> export, the package speaks the BPE."""
     from pipeline.stages import distill, export, prune, quantize
     from pipeline.tokenization.atoms import normalize_formula
-    from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
+    from pipeline.adapters.latex_ocr_junia import char_vocabulary as model_char_vocabulary
+    from pipeline.tokenization.train import SPECIALS, train_formula_bpe
 
     original, _ = _tiny_with_calib_set(tmp_path)
     extra = [t for t in model_char_vocabulary().token_to_id if t not in SPECIALS]

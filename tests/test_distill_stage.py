@@ -10,7 +10,8 @@ import torch
 from omegaconf import OmegaConf
 
 from pipeline.tokenization.atoms import normalize_formula
-from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
+from pipeline.adapters.latex_ocr_junia import char_vocabulary as model_char_vocabulary
+from pipeline.tokenization.train import SPECIALS, train_formula_bpe
 from tiny_model import FORMULAS, build_tiny, fake_ctx
 
 

@@ -8,7 +8,8 @@ from tokenizers import Tokenizer
 from pipeline.distillation.student import init_student, piece_map
 from pipeline.tokenization.bpe import token_strings
 from pipeline.tokenization.atoms import normalize_formula
-from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe
+from pipeline.adapters.latex_ocr_junia import char_vocabulary as model_char_vocabulary
+from pipeline.tokenization.train import SPECIALS, train_formula_bpe
 from tests.tiny_model import FORMULAS, build_tiny
 
 

@@ -15,7 +15,8 @@ from pipeline.errors import PipelineError
 from pipeline.tokenization.atoms import atoms, command_spans, normalize_formula, renderer_commands
 from pipeline.tokenization.compare import char_candidate, hf_candidate, segmentation_metrics, split_commands
 from pipeline.tokenization.serving import CachedEncoder
-from pipeline.tokenization.train import SPECIALS, model_char_vocabulary, train_formula_bpe, train_plain_bpe
+from pipeline.adapters.latex_ocr_junia import char_vocabulary as model_char_vocabulary
+from pipeline.tokenization.train import SPECIALS, train_formula_bpe, train_plain_bpe
 
 TRAIN = [
     r"\frac{a}{b} + \frac{c}{d}", r"x^{2} + y^{2} = z^{2}", r"\alpha_{i} + \beta_{j}", r"\sum_{i=0}^{n} x_{i}^{2}",

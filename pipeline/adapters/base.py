@@ -38,8 +38,16 @@ def adapter_class(name: str) -> type["ModelAdapter"]:
     return _ADAPTERS[name]
 
 
+# the adapters that ship with the pipeline, by name: imported when asked for (each registers itself),
+# so this interface module never imports an implementation of it
+BUILTIN_ADAPTERS = {"latex_ocr_junia": "pipeline.adapters.latex_ocr_junia"}
+
+
 def _import_builtin_adapters() -> None:
-    from pipeline.adapters import latex_ocr_junia  # noqa: F401  (registers itself)
+    import importlib
+
+    for module in BUILTIN_ADAPTERS.values():
+        importlib.import_module(module)
 
 
 @dataclass
@@ -71,6 +79,19 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def save(self, folder: Path) -> None:
         """Write safetensors weights plus a JSON config that :meth:`load` reads back."""
+
+    @classmethod
+    def text_tokenizer(cls, source: str) -> Any:
+        """The tokenizer of the model at ``source`` (as :meth:`load` takes it), read without the
+        weights: ``encode(text)`` -> ids (BOS ... EOS), ``decode(ids)`` -> text, ``vocab_size``.
+        The tokenizer stage compares its formula BPE with it."""
+        raise PipelineError(f"model adapter {cls.family!r} does not give its tokenizer without the model")
+
+    @classmethod
+    def vocabulary(cls, source: str) -> list[str]:
+        """The output vocabulary of the model at ``source``, token strings in id order: what the
+        tokenizer stage trains a formula BPE beside (every character the model writes stays one atom)."""
+        raise PipelineError(f"model adapter {cls.family!r} does not declare its vocabulary")
 
     def source_files(self) -> list[Path]:
         """The files the model was loaded from (its size on disk as shipped); [] when not known."""

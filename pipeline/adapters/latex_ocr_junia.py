@@ -27,7 +27,7 @@ from pipeline.adapters.base import ModelAdapter, register_adapter
 from pipeline.data.render import INK_THRESHOLD, crop_to_ink
 from pipeline.errors import PipelineError, SchemaError
 from pipeline.schema import load_char_tokenizer, load_json
-from pipeline.tokenization.bpe import BpeTokenizer
+from pipeline.tokenization.bpe import BpeTokenizer, token_strings
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -41,6 +41,13 @@ def package_assets() -> Path:
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise PipelineError("the default model needs the 'latex-ocr-junia' package (pip install latex-ocr-junia)") from exc
     return Path(latex_ocr_junia.__file__).resolve().parent / "assets"
+
+
+def char_vocabulary(path: Path | None = None):
+    """The model's char-level tokenizer (the package's own class and file; ``path``: a saved model's)."""
+    from latex_ocr_junia.tokenizer import LatexTokenizer
+
+    return LatexTokenizer.load(path if path is not None else package_assets() / TOKENIZER)
 
 
 def safe_load_checkpoint(path: Path, trust: bool = False) -> Any:
@@ -203,6 +210,21 @@ class LatexOcrJuniaAdapter(ModelAdapter):
                 return cls(model, model_config, tokenizer, tokenizer_path)
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
+
+    @classmethod
+    def text_tokenizer(cls, source: str):
+        folder = None if source in ("package", "", None) else Path(source)
+        if folder is not None and load_json(folder / CONFIG, schema.MODEL_CONFIG,
+                                            f"model folder {folder}").get("tokenizer_kind") == "bpe":
+            return BpeTokenizer.from_file(folder / TOKENIZER)
+        return char_vocabulary(None if folder is None else folder / TOKENIZER)
+
+    @classmethod
+    def vocabulary(cls, source: str) -> list[str]:
+        tok = cls.text_tokenizer(source)
+        if isinstance(tok, BpeTokenizer):
+            return token_strings(tok.tokenizer)
+        return [t for t, _ in sorted(tok.token_to_id.items(), key=lambda kv: kv[1])]
 
     def source_files(self) -> list[Path]:
         # the shipped assets (checkpoint, config, tokenizer) or a saved model folder: both hold the tokenizer

@@ -32,6 +32,7 @@ from pipeline import files
 from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
+from pipeline.names import DEPLOYABLE, FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL
 from pipeline.reports import Phases, markdown_table
 
 NAME = "benchmark"
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 # label -> export stage name: benchmarked when they exist (all but the first: export.baselines=true). The
 # deployable package and the chain's baselines are a sweep job's own (name + the job's tag); the
 # original model in float is one for every job
-DEFAULT_PACKAGES = {"deployable": "export-ort_cpu", "float-original": "export-ort_cpu-float-original",
-                    "float-chain": "export-ort_cpu-float-chain", "int8-original": "export-ort_cpu-int8-original"}
+DEFAULT_PACKAGES = {"deployable": DEPLOYABLE, "float-original": FLOAT_BASELINE, "float-chain": FLOAT_CHAIN,
+                    "int8-original": INT8_ORIGINAL}
 SHARED_PACKAGES = ("float-original",)
 BASELINE_LABEL = "float-original"  # the speculative check times it in the same turn (what a user has today)
 # the comparison rows stage=all leaves out, and what makes them (preset=thorough sets both)

@@ -23,6 +23,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError, optional_part
 from pipeline.files import read_formulas
+from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS, INT8_ORIGINAL, QDQ_ENCODERS, QUANTIZE_ORIGINAL
 from pipeline.export import drafter as spec
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
@@ -108,14 +109,10 @@ def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[st
     return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 
-# the QDQ encoder stage quantize writes for each target (plain ops for TensorRT / Metax, ORT fusions for ort_cpu)
-QUANTIZED_ENCODERS = {"ort_cpu": "encoder.ort_cpu.qdq.onnx", "tensorrt": "encoder.qdq.onnx", "metax": "encoder.qdq.onnx"}
-
-
-# ort_cpu's INT8 decoders (ORT dynamic quantization), when the plan has them
-QUANTIZED_DECODERS = {"ort_cpu": {"decoder_first": "decoder_first.ort_cpu.int8.onnx",
-                                  "decoder_step": "decoder_step.ort_cpu.int8.onnx",
-                                  "decoder_verify": "decoder_verify.ort_cpu.int8.onnx"}}
+# the QDQ encoder stage quantize writes for each target (plain ops for TensorRT / Metax, ORT fusions
+# for ort_cpu), and ort_cpu's decoders with 8-bit weights when the plan has them
+QUANTIZED_ENCODERS = QDQ_ENCODERS
+QUANTIZED_DECODERS = {"ort_cpu": INT8_DECODERS}
 
 
 def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
@@ -158,11 +155,9 @@ def _finetuned(qdq_encoder: Optional[Path]) -> bool:
     return int(qat.get("steps", 0) or 0) > 0
 
 
-FLOAT_BASELINE = "export-ort_cpu-float-original"  # what the benchmark compares the chain's package with
-FLOAT_CHAIN = "export-ort_cpu-float-chain"        # the chain's model (pruned ...) before quantization
-INT8_ORIGINAL = "export-ort_cpu-int8-original"    # the original model quantized with the chain's plan
-QUANTIZE_ORIGINAL = "quantize-original"           # where stage quantize writes that (quantize.original; the
-                                                  # artifact name is the contract: stages never import each other)
+# FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL (pipeline.names): the packages the benchmark compares the
+# chain's with; QUANTIZE_ORIGINAL: where stage quantize writes the original model's graphs with the
+# chain's plan (quantize.original). The names are the contract: stages never import each other
 
 
 def run(cfg: ExportConfig, ctx: StageContext) -> dict:

@@ -47,17 +47,13 @@ from pipeline.quantization.measure import Reading, encoder_outputs, latency, los
 from pipeline.quantization.plan import GroupPlan, Plan, load as load_plan, qat_of as plan_qat, \
     smoothquant_of as plan_smoothquant
 from pipeline.quantization.graphs import FloatGraphs, float_graphs
+from pipeline.names import INT8_DECODERS, QDQ_ENCODER, QDQ_ENCODER_ORT, QUANTIZE_ORIGINAL
 from pipeline.reports import Phases, markdown_table, plt, savefig
 
 NAME = "quantize"
 CONFIG_KEY = "quantize"
 log = logging.getLogger(__name__)
-QDQ_ENCODER = "encoder.qdq.onnx"              # plain ops + Q/DQ: TensorRT, Metax
-QDQ_ENCODER_ORT = "encoder.ort_cpu.qdq.onnx"  # ONNX Runtime fusions + Q/DQ: ort_cpu
-DECODERS = {"decoder_first": "decoder_first.ort_cpu.int8.onnx",  # ort_cpu: INT8 weights, dynamic activations
-            "decoder_step": "decoder_step.ort_cpu.int8.onnx",
-            # speculative decoding's check of drafted tokens: the step's plan, weight for weight
-            "decoder_verify": "decoder_verify.ort_cpu.int8.onnx"}
+DECODERS = INT8_DECODERS  # ort_cpu: 8-bit weights, float activations
 
 
 @dataclass
@@ -171,7 +167,6 @@ def _calib_folder(cfg: QuantizeConfig, ctx: StageContext) -> Path:
                         f"run stage=calibrate first")
 
 
-QUANTIZE_ORIGINAL = "quantize-original"  # the original model with the chain model's plan (quantize.original)
 
 
 def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:

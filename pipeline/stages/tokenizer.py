@@ -24,8 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.tokenization import compare, curve
 from pipeline.tokenization.atoms import normalize_formula, renderer_commands
 from pipeline.tokenization.report import write_report
-from pipeline.tokenization.train import (BOS, EOS, PAD, SPECIALS, UNK, model_char_vocabulary, train_formula_bpe,
-                                         train_plain_bpe)
+from pipeline.tokenization.train import BOS, EOS, PAD, SPECIALS, UNK, train_formula_bpe, train_plain_bpe
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ def resolve_decode_step_ms(cfg: TokenizerConfig, ctx: StageContext) -> tuple[Opt
 def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
     validate(cfg)
     sources, inputs = load_formulas(cfg, ctx)
-    char_tok = model_char_vocabulary()
+    char_tok, model_vocabulary = ctx.model_tokenizer("original")
     inputs["model_vocabulary"] = ctx.model_hash("original")
     known = renderer_commands() if cfg.renderer_commands else []
     inputs["renderer_commands"] = sha256_json(known)  # matplotlib's tables may change between versions
@@ -165,7 +164,7 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
         train_raw, train_norm, train_dropped = _normalized(sources["train"]["formulas"], "train")
         eval_raw, eval_norm, eval_dropped = _normalized(sources["eval"]["formulas"], "eval")
         shift = _normalized(sources["shift"]["formulas"], "shift") if "shift" in sources else None
-        extra = [t for t in char_tok.token_to_id if t not in SPECIALS] if cfg.include_model_chars else []
+        extra = [t for t in model_vocabulary if t not in SPECIALS] if cfg.include_model_chars else []
 
         def train(formulas: list[str], size: int):
             return train_formula_bpe(formulas, size, extra_atoms=extra, known_commands=known,

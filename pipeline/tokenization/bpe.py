@@ -10,7 +10,7 @@ from typing import Iterable
 from tokenizers import Tokenizer
 
 from pipeline.errors import SchemaError
-from pipeline.tokenization.train import SPECIALS  # <pad> <bos> <eos> <unk>, ids 0-3
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3, as in the model's char vocabulary
 
 
 def token_strings(tokenizer: Tokenizer) -> list[str]:

@@ -32,8 +32,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from pipeline.errors import PipelineError
 from pipeline.tokenization.atoms import atoms, build_normalizer, build_pre_tokenizer, is_command, words
+from pipeline.tokenization.bpe import SPECIALS  # <pad> <bos> <eos> <unk>, ids 0-3
 
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3, as in the model's char vocabulary
 PAD, BOS, EOS, UNK = SPECIALS
 LINE_BREAK = "\\\\"
 _PUA = (0xE000, 0xF8FF)  # Unicode private-use area: one character per atom while learning merges
@@ -179,13 +179,3 @@ def train_plain_bpe(normalized: Sequence[str], vocab_size: int, min_frequency: i
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A {EOS}", special_tokens=[(BOS, tok.token_to_id(BOS)), (EOS, tok.token_to_id(EOS))])
     return tok
-
-
-def model_char_vocabulary(path: Path | None = None):
-    """The char-level tokenizer the model uses today (``latex_ocr_junia``'s own class and file)."""
-    from latex_ocr_junia.tokenizer import LatexTokenizer
-
-    if path is None:
-        from pipeline.adapters.latex_ocr_junia import package_assets
-        path = package_assets() / "tokenizer.json"
-    return LatexTokenizer.load(path)
