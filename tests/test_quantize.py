@@ -705,7 +705,7 @@ def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_grap
 def test_plan_search_never_reads_the_float_model(losses, want):
     """The binary search's upper end (every group float) is the float model, loss 0 by definition:
     it is never decoded, so a search costs one read fewer."""
-    from pipeline.stages.quantize import _smallest_within
+    from pipeline.quantization.search import smallest_within
 
     asked = []
 
@@ -714,7 +714,7 @@ def test_plan_search_never_reads_the_float_model(losses, want):
         return losses[k]
 
     n = len(losses) - 1
-    assert _smallest_within(loss, n, 0.005, progress=False) == want
+    assert smallest_within(loss, n, 0.005, progress=False) == want
     assert n not in asked and asked[0] == 0 and len(asked) == len(set(asked))
 
 
@@ -724,7 +724,7 @@ def test_plan_search_gallops_from_all_int8():
     only: candidates over the budget stop early, those within it are read whole."""
     import random
 
-    from pipeline.stages.quantize import _smallest_within
+    from pipeline.quantization.search import smallest_within
 
     rng = random.Random(0)
     for _ in range(300):
@@ -732,11 +732,11 @@ def test_plan_search_gallops_from_all_int8():
         drops = sorted((rng.random() for _ in range(n)), reverse=True)
         losses = [max(0.0, 0.05 * sum(drops[k:]) - 0.01) for k in range(n)] + [0.0]
         asked = []
-        got = _smallest_within(lambda k: asked.append(k) or losses[k], n, 0.005, progress=False)
+        got = smallest_within(lambda k: asked.append(k) or losses[k], n, 0.005, progress=False)
         assert got == min(k for k in range(n + 1) if losses[k] <= 0.005)
         assert n not in asked and len(asked) <= 2 * max(1, n).bit_length() + 1
     asked = []
-    assert _smallest_within(lambda k: asked.append(k) or (0.5 if k == 0 else 0.0), 26, 0.005, progress=False) == 1
+    assert smallest_within(lambda k: asked.append(k) or (0.5 if k == 0 else 0.0), 26, 0.005, progress=False) == 1
     assert asked == [0, 1]
 
 
@@ -815,7 +815,7 @@ def test_anchors_run_beside_ours_nncf_judged_by_our_greedy_reading_of_the_search
 def test_a_budget_finer_than_the_search_set_resolves_is_said(searched):
     """The deployable plan's search-set loss and its paired SE are in quantize.json; when the SE is
     above the budget, one line says so (the log and the report), else nothing."""
-    from pipeline.stages.quantize import resolution_note
+    from pipeline.quantization.report import resolution_note
 
     metrics = json.loads((searched / "quantize.json").read_text())
     r = metrics["ort_cpu_search"]
@@ -833,18 +833,19 @@ def test_a_budget_finer_than_the_search_set_resolves_is_said(searched):
 def test_search_split_reads_the_plan_search_on_that_split(root, searched, monkeypatch):
     """quantize.search_split=train: the plan search (float, methods, both plans, the decoder's) reads
     the split's first search_images formulas; ranges and sensitivity stay calibration rows."""
-    from pipeline.stages import quantize
+    from pipeline.quantization import check, decoder_plan, measure, search
     from tiny_model import tiny_corpus
 
     train = [f.latex for f in tiny_corpus() if f.split == "train"][:5]
     seen = []
-    real_read = quantize.read
+    real_read = measure.read
 
     def recording(readers, encoder, images, truths, *a, **k):
         seen.append(list(truths))
         return real_read(readers, encoder, images, truths, *a, **k)
 
-    monkeypatch.setattr(quantize, "read", recording)
+    for module in (search, decoder_plan, check):  # every reading the stage takes outside read_or_reject
+        monkeypatch.setattr(module, "read", recording)
     _run(root, "quantize.search_split=train", "quantize.search_images=5", "quantize.decoder_search_images=5",
          "quantize.check=false", "quantize.name=quantize-train-search")
     metrics = json.loads((root / "quantize-train-search" / "quantize.json").read_text())

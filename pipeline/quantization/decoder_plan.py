@@ -1,0 +1,107 @@
+"""The ort_cpu decoder's plan: its decoder-step weight matrices ranked by the logit SNR each costs
+alone in 8 bits, then as many of them in 8 bits (``MatMulNBits``) as the exact-match budget allows
+with the encoder plan in place (:func:`~pipeline.quantization.search.search_plan`)."""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+from calibration import sensitivity
+from pipeline.errors import PipelineError
+from pipeline.names import INT8_DECODERS as DECODERS, QDQ_ENCODER_ORT
+from pipeline.quantization import decoder as qdec
+from pipeline.quantization.graphs import FloatGraphs
+from pipeline.quantization.measure import Reading, read, read_or_reject
+from pipeline.quantization.plan import Plan
+from pipeline.quantization.search import json_number, search_plan
+
+log = logging.getLogger(__name__)
+
+
+def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given: Optional[Plan],
+                 images: np.ndarray, truths, rows: str, sens_images: np.ndarray, max_length: int, batch: int,
+                 threads: int, workers: int, budget: float, chunk: int,
+                 progress: bool, base: Optional[Reading] = None) -> tuple[dict, list[dict], list[dict]]:
+    """Rank the decoder-step weight matrices by the logit SNR each costs alone in 8 bits (recorded
+    greedy step inputs), then return the most sensitive to float until the exact-match loss on the
+    decoder search set, against the same package with the float decoder, is within the budget.
+    Writes the two INT8 decoder graphs when any node stays INT8; sets ``plan.decoder*``."""
+    import onnxruntime as ort
+
+    mm = {}
+    for g in DECODERS:
+        if (graphs.package_dir / f"{g}.onnx").is_file():
+            mm[g] = scratch / f"{g}.matmul.onnx"
+            onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
+    step_model = onnx.load(str(mm["decoder_step"]))
+    step_nodes = qdec.weight_nodes(step_model)
+    # the other decoder graphs' nodes -> the step's weights they hold (followed by every candidate plan)
+    parts = {g: qdec.weight_parts(step_model, onnx.load(str(mm[g]))) for g in mm if g != "decoder_step"}
+
+    def made(int8_step: list[str], tag: str) -> dict[str, Path]:
+        out = {"decoder_step": scratch / f"decoder_step.{tag}.onnx", "decoder_first": scratch / f"decoder_first.{tag}.onnx"}
+        qdec.quantize(mm["decoder_step"], out["decoder_step"], int8_step)
+        qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.follow_plan(parts["decoder_first"], int8_step))
+        return out
+
+    def reading(decoders: dict[str, Path], against: Optional[Reading] = None) -> Reading:
+        readers = graphs.open_readers(threads, workers, decoders)
+        if against is None:
+            return read(readers, folder / QDQ_ENCODER_ORT, images, truths, max_length, batch)
+        return read_or_reject(readers, folder / QDQ_ENCODER_ORT, images, truths, max_length, batch, against,
+                              budget, chunk)
+
+    if base is None:
+        base = read(graphs.open_readers(threads, workers), folder / QDQ_ENCODER_ORT, images, truths, max_length,
+                    batch)
+    searched = None
+    sens: list[dict] = []
+    if given is not None:
+        int8 = [n for n, p in given.decoder_nodes.items() if p == "int8"] if given.decoder_nodes else list(step_nodes)
+        unknown = sorted(set(given.decoder_nodes) - set(step_nodes))
+        if unknown:
+            raise PipelineError(f"quantize.plan: {len(unknown)} decoder node(s) not in this model's decoder_step "
+                                f"graph: {', '.join(unknown[:5])}")
+    else:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads or 0
+        so.log_severity_level = 3
+        feeds = qdec.StepFeeds(graphs.open_package(threads), sens_images, max_length)
+        ref = feeds.logits(ort.InferenceSession(str(mm["decoder_step"]), so, providers=["CPUExecutionProvider"]))
+        snr = sensitivity.SNR()
+        for node in tqdm(step_nodes, desc="decoder sensitivity", disable=not progress):
+            probe = scratch / "decoder_step.probe.onnx"
+            qdec.quantize(mm["decoder_step"], probe, [node])
+            out = feeds.logits(ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"]))
+            sens.append({"node": node, "logit_snr_db": json_number(snr.score(ref, out))})
+        sens.sort(key=lambda r: r["logit_snr_db"])  # most sensitive first
+        order = [r["node"] for r in sens]
+        searched = search_plan(order, lambda k: reading(made(order[k:], "search"), base), base, budget, progress,
+                               counted="float_nodes", identical=True)
+        int8 = order[searched.float_count:]
+    final = made(int8, "final")
+    if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
+        try:
+            nodes = qdec.follow_plan(parts["decoder_verify"], int8)
+        except ValueError as exc:
+            log.warning(f"[quantize] no INT8 verify graph (the packages decode plain greedy): {exc}")
+        else:
+            final["decoder_verify"] = scratch / "decoder_verify.final.onnx"
+            qdec.quantize(mm["decoder_verify"], final["decoder_verify"], nodes)
+    # the search read this very plan already
+    r = (searched.readings.get(searched.float_count) if searched else None) or reading(final)
+    plan.decoder = "int8" if int8 else "float"
+    plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
+    if int8:
+        for g, path in final.items():
+            shutil.copyfile(path, folder / DECODERS[g])
+    return ({"decoder_search_set": rows, "decoder_float_exact_match": base.exact_match, "decoder_float_cer": base.cer,
+             "ort_cpu_int8_decoder_exact_match": r.exact_match, "ort_cpu_int8_decoder_cer": r.cer,
+             "ort_cpu_int8_decoder_identical": r.identical_to(base), "decoder_int8_nodes": len(int8),
+             "decoder_nodes": len(step_nodes)}, searched.trace if searched else [], sens)
