@@ -1,0 +1,47 @@
+"""Every config key the README and docs/ name exists: a user who copies `quantize.search_images=...`
+from a page gets the key, not Hydra's "Key not in" error."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO, compose_cfg
+
+ROOTS = ("eval", "prune", "tokenizer", "distill", "calibrate", "quantize", "export", "benchmark", "infer", "serve",
+         "model", "data", "target", "artifacts")
+# `export.md`, `quantize.py`, `benchmark.json` ...: files, not keys
+FILE_SUFFIXES = {"md", "py", "json", "jsonl", "yaml", "png", "onnx", "safetensors", "txt", "sh", "tsv", "log", "pt"}
+KEY = re.compile(r"(?<![\w./'-])\+?(" + "|".join(ROOTS) + r")\.([a-z_][a-z0-9_]*)(?:\.([a-z_][a-z0-9_]*))?")
+# named on a page, but not config keys: what each is
+NOT_KEYS = {("tokenizer", "normalizer"): "the HF tokenizer object's attribute (docs/tokenizer.md's round trip)"}
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def named_keys(text: str) -> set[tuple[str, str]]:
+    return {(root, key) for root, key, _ in KEY.findall(text) if key not in FILE_SUFFIXES and (root, key) not in NOT_KEYS}
+
+
+@pytest.fixture(scope="module")
+def known() -> dict[str, set[str]]:
+    keys: dict[str, set[str]] = {}
+    for overrides in ([], ["data=image_folder", "data.path=x"], ["target=metax"], ["target=tensorrt"]):
+        cfg = OmegaConf.to_container(compose_cfg(overrides), resolve=False)
+        for root in ROOTS:
+            keys.setdefault(root, set()).update(cfg.get(root) or {})
+    return keys
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_config_key_a_page_names_exists(page, known):
+    missing = sorted(f"{root}.{key}" for root, key in named_keys(page.read_text(encoding="utf-8"))
+                     if key not in known[root])
+    assert not missing, f"{page.name} names keys the config does not have: {missing}"
+
+
+def test_the_scan_sees_keys_and_skips_file_names(known):
+    assert named_keys("`quantize.search_images=256`, docs/export.md, +benchmark.packages.x=y, prune.py") == {
+        ("quantize", "search_images"), ("benchmark", "packages")}
+    assert "search_images" in known["quantize"] and "no_such" not in known["quantize"]
+    assert len(named_keys((REPO / "README.md").read_text(encoding="utf-8"))) > 30  # the README's keys are seen
