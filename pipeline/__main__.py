@@ -97,6 +97,10 @@ def check_config(cfg: DictConfig) -> None:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
     check_data_group(str(cfg.stage), str(cfg.data.kind))
+    if cfg.stage in ("export", "all") and cfg.export.targets:  # target.* overrides reach their target or fail here
+        from pipeline.export.targets import KNOWN, target_configs
+
+        target_configs([str(t) for t in cfg.export.targets if t in KNOWN], cfg.target)  # unknown ones: export's check
 
 
 def _task(cfg: DictConfig) -> None:

@@ -79,8 +79,14 @@ class TargetConfig:
     allow_contrib_ops: bool = True    # com.microsoft ops (ORT fusions)
     fp16_weights: bool = False
     fuse: bool = True                 # ORT transformer optimizer fusions
+    # what the runtime's INT8 and FP16 kernels need, checked by the export validator (pipeline/export/validator.py)
+    symmetric_int8: bool = False      # INT8 zero points 0 (TensorRT, Metax)
+    per_channel_weights: bool = False   # weight scales per output channel (Metax)
+    per_tensor_activations: bool = False  # one scale per activation tensor (Metax)
+    float_only_ops: bool = False      # LayerNorm, Softmax, GELU stay float in the FP16 graph (Metax)
     provider: str = "CPUExecutionProvider"
     provider_options: Dict[str, Any] = field(default_factory=dict)
+    required_provider_options: List[str] = field(default_factory=list)  # the package refuses to be written without them
 
 
 def _root_fields() -> list[tuple[str, Any, Any]]:

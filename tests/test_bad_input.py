@@ -618,3 +618,35 @@ def test_one_labels_file_lookup_for_evaluate_and_calibrate(tmp_path):
     (folder / "labels.tsv").write_text("a.png\tx^2\n")
     assert files.labels_file(folder, None, "eval.labels", required=True) == folder / "labels.tsv"
     assert ImageFolderSource(folder).labels == {"a.png": "x^2"}
+
+
+# ---- 6. targets --------------------------------------------------------------------------------------
+def test_target_overrides_reach_their_target_under_export_targets_or_fail_in_one_line(tmp_path):
+    """With export.targets (stage=all), target.* overrides belong to the composed target group's target:
+    that target's package gets them, the others their YAML; a target the list leaves out is refused."""
+    from conftest import compose_cfg
+    from pipeline.export.targets import resolve_target, target_configs
+
+    cfg = compose_cfg(["stage=all", "target=metax", "target.max_ir_version=7", f"artifacts.dir={tmp_path / 'a'}"])
+    made = target_configs(list(cfg.export.targets), cfg.target)
+    assert list(made) == ["ort_cpu", "metax", "tensorrt"]
+    assert made["metax"].max_ir_version == 7 and made["tensorrt"].max_ir_version is None
+    assert resolve_target(made["metax"]).rules.max_ir_version == 7
+    one_error(run_cli("stage=all", "target=metax", "target.max_ir_version=7", "export.targets=[ort_cpu,tensorrt]",
+                      f"artifacts.dir={tmp_path / 'b'}"),
+              "target.max_ir_version is set for target metax, which export.targets=[ort_cpu,tensorrt] does not export")
+
+
+def test_each_targets_rules_are_its_yamls():
+    """The validator's rules come from conf/target/<name>.yaml, not from the target's name."""
+    from conftest import compose_cfg
+    from pipeline.export.targets import resolve_target, target_config
+    from pipeline.export.validator import FLOAT_ONLY_OPS
+
+    metax, trt, cpu = (resolve_target(target_config(n)).rules for n in ("metax", "tensorrt", "ort_cpu"))
+    assert (metax.symmetric_int8, metax.per_channel_weights, metax.per_tensor_activations) == (True, True, True)
+    assert metax.float_only_ops == FLOAT_ONLY_OPS and metax.max_ir_version == 8 and not metax.allow_contrib_ops
+    assert trt.symmetric_int8 and not trt.per_channel_weights and trt.float_only_ops == ()
+    assert not cpu.symmetric_int8 and cpu.allow_contrib_ops
+    cfg = compose_cfg(["target=tensorrt", "target.per_channel_weights=true"])
+    assert resolve_target(cfg.target).rules.per_channel_weights

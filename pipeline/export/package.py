@@ -186,10 +186,9 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
                     "layout-only atoms (spacing, &, \\\\, style switches) gives way to the best one that does not",
     }
     (folder / PACKAGE_META).write_text(json.dumps(meta, indent=2) + "\n")
-    if target.name == "metax":
-        missing = [k for k in ("device_id", "gpu_mem_limit", "enable_cuda_graph") if k not in target.provider_options]
-        if missing:
-            raise PipelineError(f"target.provider_options for metax lacks {missing}")
+    missing = [k for k in target.required_provider_options if k not in target.provider_options]
+    if missing:
+        raise PipelineError(f"target.provider_options for {target.name} lacks {missing}")
     (folder / "provider_options.json").write_text(json.dumps(
         {"provider": target.provider, "options": target.provider_options}, indent=2) + "\n")
     return meta

@@ -19,6 +19,7 @@ class Target:
     provider: str
     provider_options: dict[str, Any]
     rules: Rules
+    required_provider_options: tuple[str, ...] = ()
 
 
 def resolve_target(tcfg: Any) -> Target:
@@ -34,19 +35,34 @@ def resolve_target(tcfg: Any) -> Target:
     allow_contrib = bool(tcfg.allow_contrib_ops)
     if bool(tcfg.fuse) and not allow_contrib:
         raise PipelineError(f"target {name}: fuse=true needs contrib ops (allow_contrib_ops=false)")
-    strict_int8 = name in ("metax", "tensorrt")
-    rules = Rules(
+    rules = Rules(  # the runtime's rules, as its conf/target/<name>.yaml declares them
         target=name,
         max_opset=None if tcfg.max_opset is None else int(tcfg.max_opset),
         max_ir_version=None if tcfg.max_ir_version is None else int(tcfg.max_ir_version),
         allow_contrib_ops=allow_contrib,
-        symmetric_int8=strict_int8,
-        per_channel_weights=name == "metax",
-        per_tensor_activations=name == "metax",
-        float_only_ops=FLOAT_ONLY_OPS if name == "metax" else (),
+        symmetric_int8=bool(tcfg.symmetric_int8),
+        per_channel_weights=bool(tcfg.per_channel_weights),
+        per_tensor_activations=bool(tcfg.per_tensor_activations),
+        float_only_ops=FLOAT_ONLY_OPS if tcfg.float_only_ops else (),
     )
     options = dict(tcfg.provider_options or {})
-    return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules)
+    return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
+                  tuple(str(k) for k in tcfg.required_provider_options or ()))
+
+
+def target_configs(names, chosen) -> dict[str, Any]:
+    """Each of ``names``' target config (``export.targets``): the composed ``target`` group (``chosen``,
+    with the command line's ``target.*`` overrides) for the target it names, every other one from its
+    YAML. Overrides of a target the list leaves out would be dropped: one error line instead."""
+    from omegaconf import OmegaConf
+
+    changed = sorted(k for k, v in OmegaConf.to_container(chosen).items()
+                     if OmegaConf.to_container(target_config(str(chosen.name))).get(k) != v)
+    if changed and str(chosen.name) not in names:
+        raise PipelineError(f"target.{changed[0]} is set for target {chosen.name}, which export.targets="
+                            f"[{','.join(names)}] does not export: add it, or choose the target the override is "
+                            f"for with target=<name>")
+    return {name: chosen if name == str(chosen.name) else target_config(name) for name in names}
 
 
 def target_config(name: str):

@@ -31,7 +31,7 @@ from pipeline.export.package import build_graphs, write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
-from pipeline.export.targets import KNOWN, resolve_target, target_config
+from pipeline.export.targets import KNOWN, resolve_target, target_config, target_configs
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +171,11 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
                                                    drafts)}
     else:
         manifests = {}
-        for name in cfg.targets:
+        for name, tcfg in target_configs(cfg.targets, ctx.cfg.target).items():
             one = replace(cfg, targets=[], baselines=False, name=f"{cfg.name}-{name}" if cfg.name else None)
             others = [t for t in cfg.targets if t != name]
             with optional_part(f"export target {name}", f"export.targets=[{','.join(others)}]"):
-                manifests[name] = _run_one(one, ctx, target_config(name), references, drafts)
+                manifests[name] = _run_one(one, ctx, tcfg, references, drafts)
     if cfg.baselines:
         with optional_part("export.baselines (the packages the benchmark compares with)", "export.baselines=false"):
             manifests.update(_baselines(cfg, ctx, references))
