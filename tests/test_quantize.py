@@ -413,7 +413,7 @@ def test_plan_round_trip_and_validation(tmp_path):
 
 def test_attention_fusion_keeps_the_encoder_output(tmp_path):
     from pipeline.export import onnx_graphs as og
-    from pipeline.quantization.fusion import fuse_attention
+    from pipeline.export.fusion import fuse_attention
     from pipeline.quantization.groups import find_groups
 
     adapter = build_tiny()
@@ -440,7 +440,7 @@ def test_attention_fusion_with_pooled_keys_keeps_the_encoder_output():
     import torch
 
     from pipeline.export import onnx_graphs as og
-    from pipeline.quantization.fusion import fuse_attention
+    from pipeline.export.fusion import fuse_attention
 
     adapter = build_tiny()
     adapter.pool_encoder_keys({0: [1, 2]})
@@ -585,7 +585,7 @@ def test_export_quantized_from_a_missing_folder_is_an_error(root):
 def test_cached_attention_fusion_keeps_the_decoder_step_outputs():
     from pipeline.export import onnx_graphs as og
     from pipeline.export.package import decoder_shapes
-    from pipeline.quantization.fusion import fuse_cached_attention
+    from pipeline.export.fusion import fuse_cached_attention
 
     adapter = build_tiny()
     shapes = decoder_shapes(adapter)

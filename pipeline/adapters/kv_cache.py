@@ -37,7 +37,7 @@ def _attend(attn: nn.Module, q_in: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if attn.head_mask is not None:
         ctx = ctx * attn.head_mask.view(1, -1, 1, 1)
     # the sizes from the block's input, not from ctx: in an exported graph ctx then feeds the head merge
-    # alone, the pattern ORT's MultiHeadAttention fusion takes (pipeline/quantization/fusion.py)
+    # alone, the pattern ORT's MultiHeadAttention fusion takes (pipeline/export/fusion.py)
     b, n = q_in.shape[0], q_in.shape[1]
     return attn.out_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
 

@@ -17,7 +17,7 @@ from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
 from pipeline.tokenization.bpe import is_bpe_file
-from pipeline.quantization.fusion import fuse_attention, fuse_cached_attention
+from pipeline.export.fusion import fuse_attention, fuse_cached_attention
 
 
 @dataclass
