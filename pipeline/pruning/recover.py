@@ -96,19 +96,26 @@ class _Solver:
         return {"rel_error_before": (self.err0 / norm) ** 0.5, "rel_error_after": max(err, 0.0) ** 0.5 / norm ** 0.5}
 
 
-@torch.no_grad()
-def _hooked_passes(student, images, batch_size: int, hooks: list):
-    """Encode batch by batch until a hook raises ``_Stop``; yields the batch index, then removes the hooks."""
+def _stopped_runs(runs, hooks: list):
+    """Each of ``runs`` (one batch's forward each) until a hook raises ``_Stop``; yields the batch
+    index once its hooks have seen it, then removes the hooks."""
     try:
-        for b, sl in enumerate(_batches(len(images), batch_size)):
+        for b, run in enumerate(runs):
             try:
-                student.encode(images[sl])
+                run()
             except _Stop:
                 pass
             yield b
     finally:
         for h in hooks:
             h.remove()
+
+
+@torch.no_grad()
+def _hooked_passes(student, images, batch_size: int, hooks: list):
+    """Encode batch by batch (:func:`_stopped_runs`): a real pass from the image."""
+    yield from _stopped_runs((lambda sl=sl: student.encode(images[sl]) for sl in _batches(len(images), batch_size)),
+                             hooks)
 
 
 def _teacher_targets(teacher, images: torch.Tensor, layers: Sequence[int], batch_size: int,
@@ -239,17 +246,8 @@ def _passes(student, images, batch_size: int, hooks: list, block: nn.Module, cal
     (:func:`_hooked_passes`), or ``block`` alone on its kept arguments (``calls``); then removes them."""
     if calls is None:
         yield from _hooked_passes(student, images, batch_size, hooks)
-        return
-    try:
-        for b, (a, k) in enumerate(calls):
-            try:
-                block(*a, **k)
-            except _Stop:
-                pass
-            yield b
-    finally:
-        for h in hooks:
-            h.remove()
+    else:
+        yield from _stopped_runs((lambda a=a, k=k: block(*a, **k) for a, k in calls), hooks)
 
 
 @contextlib.contextmanager
