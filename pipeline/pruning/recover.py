@@ -68,12 +68,9 @@ class _Solver:
     def __init__(self) -> None:
         self.xtx = self.xty = None
         self.yy = 0.0
-        self.err0 = 0.0
 
-    def add(self, x: torch.Tensor, y: torch.Tensor, current: nn.Linear) -> None:
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
         x, y = x.reshape(-1, x.shape[-1]).double(), y.reshape(-1, y.shape[-1]).double()
-        pred = x @ current.weight.double().T + (current.bias.double() if current.bias is not None else 0.0)
-        self.err0 += float((pred - y).pow(2).sum())
         self.yy += float(y.pow(2).sum())
         x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
         self.xtx = x1.T @ x1 if self.xtx is None else self.xtx + x1.T @ x1
@@ -90,10 +87,14 @@ class _Solver:
         lin.weight.copy_(w[:-1].T.to(lin.weight.dtype))
         if lin.bias is not None:
             lin.bias.copy_(w[-1].to(lin.bias.dtype))
-        # residual after the fit, from the normal equations: |y|^2 - 2 w.xty + w.xtx.w
-        err = self.yy - 2 * float((w * self.xty).sum()) + float((w * (self.xtx @ w)).sum())
+        # residuals before and after the fit, from the normal equations: |y|^2 - 2 w.xty + w.xtx.w
+        # (no second pass over the data for the error of the current weights)
         norm = max(self.yy, 1e-30)
-        return {"rel_error_before": (self.err0 / norm) ** 0.5, "rel_error_after": max(err, 0.0) ** 0.5 / norm ** 0.5}
+        return {f"rel_error_{when}": max(self._residual(v), 0.0) ** 0.5 / norm ** 0.5
+                for when, v in (("before", w0), ("after", w))}
+
+    def _residual(self, w: torch.Tensor) -> float:
+        return self.yy - 2 * float((w * self.xty).sum()) + float((w * (self.xtx @ w)).sum())
 
 
 def _stopped_runs(runs, hooks: list):
@@ -212,7 +213,7 @@ def refit(student, teacher, images: torch.Tensor, layers: Sequence[int], ridge: 
 
         hs = [block.register_forward_pre_hook(pre_block, with_kwargs=True), o.register_forward_pre_hook(pre_out)]
         for b in _passes(student, images, batch_size, hs, block, calls):
-            solver.add(state["c"], targets[l]["h"][b] - state["x"], o)
+            solver.add(state["c"], targets[l]["h"][b] - state["x"])
         entry = {f"attn_{k}": v for k, v in solver.solve_into(o, ridge).items()}
         # 2) MLP output projection: features = its input, target = y_T - (y_S - fc2 output)
         if fc2 is not None:
@@ -227,7 +228,7 @@ def refit(student, teacher, images: torch.Tensor, layers: Sequence[int], ridge: 
 
             hs = [fc2.register_forward_hook(fc2_hook), block.register_forward_hook(block_hook)]
             for b in _passes(student, images, batch_size, hs, block, calls):
-                solver.add(state["g"], targets[l]["y"][b] - (state["y"] - state["o"]), fc2)
+                solver.add(state["g"], targets[l]["y"][b] - (state["y"] - state["o"]))
             entry.update({f"mlp_{k}": v for k, v in solver.solve_into(fc2, ridge).items()})
         report[l] = entry
         if calls is not None and i + 1 < len(order):  # the refitted block's output: the next block's input
