@@ -1,7 +1,6 @@
 """The float graphs stage quantize starts from, made by the export stage's own graph code."""
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import onnx
 from pipeline.export import onnx_graphs as og
 from pipeline.export.package import build_graphs, decoder_shapes, exported_graphs, write_package
 from pipeline.export.runtime import OnnxPackage
-from pipeline.export.targets import resolve_target
+from pipeline.export.targets import resolve_target, target_config
 
 OPSET = 17
 
@@ -42,9 +41,7 @@ class FloatGraphs:
 
 def ort_cpu_target():
     """The ``ort_cpu`` target with its default settings (conf/target/ort_cpu.yaml)."""
-    return resolve_target(types.SimpleNamespace(
-        name="ort_cpu", opset=OPSET, max_opset=None, max_ir_version=None, allow_contrib_ops=True,
-        fp16_weights=False, fuse=True, provider="CPUExecutionProvider", provider_options={}))
+    return resolve_target(target_config("ort_cpu"))
 
 
 def float_graphs(adapter, workdir: Path, max_length: int, model_key: str, threads: int = 0) -> FloatGraphs:
