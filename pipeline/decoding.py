@@ -88,6 +88,51 @@ class LayoutGuard:
         return self.eos
 
 
+# ---- greedy decoding: one loop, a step function per backend ----------------------------------------
+def greedy(first: Callable[[], np.ndarray], step: Callable[[np.ndarray], np.ndarray],
+           keep: Callable[[np.ndarray], None], n: int, eos: int, banned: Sequence[int], max_length: int,
+           guard: LayoutGuard | None = None) -> list[list[int]]:
+    """Greedy decoding of ``n`` rows at once, the loop the torch adapter and the package runtime share.
+
+    The backend gives ``first()``: the logits ``[n, vocab]`` after BOS; ``step(tokens)``: the active
+    rows' logits after their ``tokens`` (``[rows]``); ``keep(mask)``: drop the rows ``mask`` is False
+    for (they finished: they leave the batch and cost nothing more). ``max_length`` caps the sequence,
+    BOS included; banned tokens never win; ``guard`` caps runs of layout-only atoms. Returns each
+    row's tokens after BOS (EOS included when it was written)."""
+    if max_length < 2:
+        return [[] for _ in range(n)]
+    out: list[list[int] | None] = [None] * n
+    seqs: list[list[int]] = [[] for _ in range(n)]
+    active = np.arange(n)
+    texts = [""] * n  # each active row's reading so far (the layout guard's view)
+    banned = list(banned)
+    logits = first()
+    for t in range(max_length - 1):
+        logits = np.array(logits, dtype=np.float32, copy=True)
+        logits[:, banned] = -np.inf
+        nxt = logits.argmax(-1)
+        if guard is not None:
+            nxt = np.asarray(guard.step(logits, nxt.tolist(), texts), dtype=np.int64)
+        for row, tok in enumerate(nxt.tolist()):
+            seqs[active[row]].append(int(tok))
+        done = nxt == eos
+        if done.any():
+            for row in np.flatnonzero(done):
+                out[active[row]] = seqs[active[row]]
+            kept = ~done
+            active, nxt = active[kept], nxt[kept]
+            texts = [x for x, k in zip(texts, kept.tolist()) if k]
+            if active.size == 0:
+                break
+            keep(kept)
+        if t == max_length - 2:  # the cap: no call for logits nobody reads
+            break
+        logits = step(nxt)
+    for idx in active.tolist():  # stopped by the cap
+        out[idx] = seqs[idx]
+    return [o if o is not None else [] for o in out]
+
+
 # ---- speculative greedy decoding -------------------------------------------------------------------
 
 class SpeculativeStats:

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import nn
 
 from pipeline import interrupts
-from pipeline.decoding import LayoutGuard
+from pipeline.decoding import LayoutGuard, greedy
 from pipeline.errors import PipelineError
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
@@ -219,7 +220,7 @@ class ModelAdapter(abc.ABC):
         capped: list[bool] = []
         enc_s = dec_s = 0.0
         dev = self.device
-        banned = torch.tensor(self.banned_token_ids(), dtype=torch.long, device=dev)
+        banned = self.banned_token_ids()
         guard = self.layout_guard()
         for start in range(0, images.shape[0], batch_size):
             batch = images[start:start + batch_size]
@@ -227,37 +228,7 @@ class ModelAdapter(abc.ABC):
             memory = batch.float().to(dev) if encoded else self.encode(batch)
             t1 = time.perf_counter()
             n = batch.shape[0]
-            seqs = torch.full((n, 1), self.bos_id, dtype=torch.long, device=dev)
-            out: list[list[int] | None] = [None] * n
-            active = torch.arange(n)
-            texts = [""] * n  # each row's reading so far (the layout guard's view)
-            past: list[torch.Tensor] = []
-            cross = cached.cross_kv(memory) if cached is not None else []
-            for _ in range(max_length - 1):
-                if cached is None:
-                    logits = self.decode_logits(seqs, memory)[:, -1, :].float()
-                else:
-                    logits, past = cached.run(seqs[:, -1:] if past else seqs, past, cross, causal=True)
-                    logits = logits.float()
-                logits[:, banned] = float("-inf")
-                nxt = logits.argmax(-1)
-                if guard is not None:
-                    nxt = torch.tensor(guard.step(logits.cpu().numpy(), nxt.tolist(), texts), dtype=torch.long,
-                                       device=dev)
-                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-                done = nxt.eq(self.eos_id)
-                if done.any():
-                    for row in torch.nonzero(done).flatten().tolist():
-                        out[int(active[row])] = seqs[row, 1:].tolist()
-                    keep = ~done
-                    seqs, memory, active = seqs[keep], memory[keep], active[keep.cpu()]
-                    texts = [t for t, k in zip(texts, keep.tolist()) if k]
-                    past = [t[keep] for t in past]
-                    cross = [t[keep] for t in cross]
-                    if active.numel() == 0:
-                        break
-            for row, idx in enumerate(active.tolist()):  # stopped by the cap
-                out[idx] = seqs[row, 1:].tolist()
+            out = greedy(*self._greedy_steps(memory, cached), n, self.eos_id, banned, max_length, guard)
             t2 = time.perf_counter()
             enc_s += t1 - t0
             dec_s += t2 - t1
@@ -271,6 +242,33 @@ class ModelAdapter(abc.ABC):
             interrupts.check()  # a signal a native callback swallowed ends the reading here
         texts = [self.decode_text(ids) for ids in all_ids]
         return DecodeResult(all_ids, texts, enc_s, dec_s, steps, capped)
+
+    def _greedy_steps(self, memory: torch.Tensor, cached) -> tuple[Callable, Callable, Callable]:
+        """This model's step functions for :func:`pipeline.decoding.greedy`: the whole prefix re-run
+        each step (the shipped decoder), or ``cached``'s KV-cached run; logits to the host as float32."""
+        state = {"seqs": torch.full((memory.shape[0], 1), self.bos_id, dtype=torch.long, device=memory.device),
+                 "memory": memory, "past": [], "cross": cached.cross_kv(memory) if cached is not None else []}
+
+        def logits() -> np.ndarray:
+            if cached is None:
+                out = self.decode_logits(state["seqs"], state["memory"])[:, -1, :]
+            else:
+                seqs = state["seqs"]
+                out, state["past"] = cached.run(seqs[:, -1:] if state["past"] else seqs, state["past"],
+                                                state["cross"], causal=True)
+            return out.float().cpu().numpy()
+
+        def step(tokens: np.ndarray) -> np.ndarray:
+            state["seqs"] = torch.cat([state["seqs"], torch.as_tensor(tokens, device=memory.device)[:, None]], dim=1)
+            return logits()
+
+        def keep(rows: np.ndarray) -> None:
+            mask = torch.as_tensor(rows, device=memory.device)
+            state["seqs"], state["memory"] = state["seqs"][mask], state["memory"][mask]
+            state["past"] = [t[mask] for t in state["past"]]
+            state["cross"] = [t[mask] for t in state["cross"]]
+
+        return logits, step, keep
 
     # ---- structure (for pruning) --------------------------------------------------------------
     @abc.abstractmethod

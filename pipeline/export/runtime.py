@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import FixedWidthVerify, LayoutGuard, SpeculativeStats, speculative_greedy
+from pipeline.decoding import FixedWidthVerify, LayoutGuard, SpeculativeStats, greedy, speculative_greedy
 from pipeline.errors import PipelineError
 from pipeline.schema import load_json
 
@@ -214,9 +214,12 @@ class OnnxPackage:
 
     # ---- greedy decoding ------------------------------------------------------------------------
     def generate(self, images: np.ndarray, max_length: int, batch_size: int = 16,
-                 progress: Callable[[int], None] | None = None) -> DecodeResult:
+                 progress: Callable[[int], None] | None = None, speculative: bool | None = None) -> DecodeResult:
         """Greedy decoding as :meth:`ModelAdapter.generate` does it (cap includes BOS, finished
-        rows leave the batch), with the KV cache: one decoder step per new token."""
+        rows leave the batch), with the KV cache: one decoder step per new token. A package with a
+        drafter reads batches of one speculatively (the same tokens, fewer decoder calls) unless
+        ``speculative=False`` (a server reading one image while others wait: plain greedy)."""
+        spec = self.speculative if speculative is None else speculative and self.speculative
         all_ids: list[list[int]] = []
         calls: list[int] = []
         enc_s = dec_s = 0.0
@@ -225,7 +228,7 @@ class OnnxPackage:
             t0 = time.perf_counter()
             memory = self.encode(batch)
             t1 = time.perf_counter()
-            if self.speculative and batch.shape[0] == 1:
+            if spec and batch.shape[0] == 1:
                 before = self.spec_stats.calls
                 all_ids.append(self._speculative(memory, max_length))
                 calls.append(self.spec_stats.calls - before)
@@ -259,39 +262,24 @@ class OnnxPackage:
                                   self.spec_stats)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
+        """Plain greedy decoding of a batch (:func:`pipeline.decoding.greedy`) on this package's
+        sessions: ``decoder_first`` after BOS, then ``decoder_step`` with the KV cache."""
         n = memory.shape[0]
-        out: list[list[int] | None] = [None] * n
-        seqs = [[] for _ in range(n)]
-        active = np.arange(n)
         if max_length < 2:
             return [[] for _ in range(n)]
-        texts = [""] * n  # each active row's reading so far (the layout guard's view)
-        logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
-        for t in range(max_length - 1):
-            logits = logits.astype(np.float32, copy=True)
-            logits[:, self.banned] = -np.inf
-            nxt = logits.argmax(-1)
-            if self.layout_run_cap:
-                nxt = np.asarray(self.layout_guard(logits.shape[-1]).step(logits, nxt.tolist(), texts), dtype=np.int64)
-            for row, tok in enumerate(nxt.tolist()):
-                seqs[active[row]].append(int(tok))
-            done = nxt == self.eos
-            if done.any():
-                for row in np.flatnonzero(done):
-                    out[active[row]] = seqs[active[row]]
-                keep = ~done
-                active, nxt = active[keep], nxt[keep]
-                texts = [x for x, k in zip(texts, keep.tolist()) if k]
-                if active.size == 0:
-                    break
-                past = [p[keep] for p in past]
-                cross = [c[keep] for c in cross]
-            if t == max_length - 2:
-                break
-            logits, past = self.step(nxt[:, None], past, cross)
-        for idx in active.tolist():  # stopped by the cap
-            out[idx] = seqs[idx]
-        return [o if o is not None else [] for o in out]
+        state: dict = {}
+        logits, state["past"], state["cross"] = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
+
+        def step(tokens: np.ndarray) -> np.ndarray:
+            logits, state["past"] = self.step(tokens[:, None], state["past"], state["cross"])
+            return logits
+
+        def keep(rows: np.ndarray) -> None:
+            state["past"] = [p[rows] for p in state["past"]]
+            state["cross"] = [c[rows] for c in state["cross"]]
+
+        guard = self.layout_guard(logits.shape[-1]) if self.layout_run_cap else None
+        return greedy(lambda: logits, step, keep, n, self.eos, self.banned, max_length, guard)
 
     def read_images(self, images: Sequence[Image.Image], max_length: int | None = None, batch_size: int = 16
                     ) -> DecodeResult:

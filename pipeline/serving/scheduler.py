@@ -74,13 +74,7 @@ def take_batch(queue: list[Job], max_batch: int, group_by_length: bool) -> list[
 
 def read_batch(package: OnnxPackage, images: np.ndarray, max_length: int, speculative: bool):
     """One batch through ``package`` (a worker's own): speculatively only when asked and possible."""
-    drafter = package.drafter
-    if not speculative:
-        package.drafter = None  # this worker's package alone: plain greedy for this call
-    try:
-        return package.generate(images, max_length, batch_size=len(images))
-    finally:
-        package.drafter = drafter
+    return package.generate(images, max_length, batch_size=len(images), speculative=speculative)
 
 
 class Scheduler:
