@@ -229,12 +229,6 @@ def test_pareto_front():
     assert pareto_front([(1, 0.5), (10, 0.5), (5, 0.6), (2, 0.4)]) == [1, 2]
 
 
-def test_stage_all_ends_with_the_benchmark():
-    from pipeline.stages import ORDER
-
-    assert ORDER[-1] == "benchmark" and ORDER.index("export") < ORDER.index("benchmark")
-
-
 @pytest.mark.slow
 def test_real_model_against_its_exported_package():
     """The shipped model vs its ORT package on 2 formulas (export_session's package)."""
