@@ -14,6 +14,7 @@ QDQ_ENCODERS = {"ort_cpu": QDQ_ENCODER_ORT, "tensorrt": QDQ_ENCODER, "metax": QD
 INT8_DECODERS = {"decoder_first": "decoder_first.ort_cpu.int8.onnx",
                  "decoder_step": "decoder_step.ort_cpu.int8.onnx",
                  "decoder_verify": "decoder_verify.ort_cpu.int8.onnx"}
+INT8_DECODERS_BY_TARGET = {"ort_cpu": INT8_DECODERS}  # per export target (TensorRT / Metax: float, cast to FP16)
 
 # stage export's packages that stage benchmark compares (folder names under the artifacts root)
 DEPLOYABLE = "export-ort_cpu"                       # the chain's package for ONNX Runtime CPU

@@ -56,8 +56,8 @@ def target_configs(names, chosen) -> dict[str, Any]:
     YAML. Overrides of a target the list leaves out would be dropped: one error line instead."""
     from omegaconf import OmegaConf
 
-    changed = sorted(k for k, v in OmegaConf.to_container(chosen).items()
-                     if OmegaConf.to_container(target_config(str(chosen.name))).get(k) != v)
+    yaml = OmegaConf.to_container(target_config(str(chosen.name)))
+    changed = sorted(k for k, v in OmegaConf.to_container(chosen).items() if yaml.get(k) != v)
     if changed and str(chosen.name) not in names:
         raise PipelineError(f"target.{changed[0]} is set for target {chosen.name}, which export.targets="
                             f"[{','.join(names)}] does not export: add it, or choose the target the override is "

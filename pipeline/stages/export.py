@@ -23,7 +23,8 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError, optional_part
 from pipeline.files import read_formulas
-from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS, INT8_ORIGINAL, QDQ_ENCODERS, QUANTIZE_ORIGINAL
+from pipeline.names import (FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS_BY_TARGET, INT8_ORIGINAL, QDQ_ENCODERS,
+                            QUANTIZE_ORIGINAL)
 from pipeline.export import drafter as spec
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
@@ -109,12 +110,6 @@ def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[st
     return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
 
 
-# the QDQ encoder stage quantize writes for each target (plain ops for TensorRT / Metax, ORT fusions
-# for ort_cpu), and ort_cpu's decoders with 8-bit weights when the plan has them
-QUANTIZED_ENCODERS = QDQ_ENCODERS
-QUANTIZED_DECODERS = {"ort_cpu": INT8_DECODERS}
-
-
 def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
     """(model reference, QDQ encoder or None, INT8 decoders, what was handed over):
     prune -> quantize -> export."""
@@ -140,9 +135,9 @@ def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Opti
             return model, None, {}, f"quantize's artifact was made from another model ({quantized_model}): float package"
         raise PipelineError(f"export.quantized={cfg.quantized} was made from model {quantized_model!r}, "
                             f"not export.model={model!r}")
-    decoders = {g: folder / f for g, f in QUANTIZED_DECODERS.get(target, {}).items() if (folder / f).is_file()}
+    decoders = {g: folder / f for g, f in INT8_DECODERS_BY_TARGET.get(target, {}).items() if (folder / f).is_file()}
     took = "INT8 encoder" + (" and decoders" if decoders else "")
-    return model, folder / QUANTIZED_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
+    return model, folder / QDQ_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
 
 
 def _finetuned(qdq_encoder: Optional[Path]) -> bool:
