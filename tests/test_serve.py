@@ -60,7 +60,7 @@ def infer_answers(pkg, images, tmp_path_factory) -> list[str]:
 
 # every batch waits 4 s for a fourth image that never fits: a queue of at most 3 (the 4th is refused)
 WINDOW = ["serve.workers=2", "serve.max_batch=4", "serve.max_wait_ms=4000", "serve.max_queue=3",
-          "serve.max_bytes=200000", "serve.read_timeout_s=1"]
+          "serve.max_bytes=200000", "serve.read_timeout_s=1", "serve.header_timeout_s=1"]
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +177,22 @@ def test_hostile_requests_get_their_4xx_and_the_server_goes_on(server, images):
         assert f'formula_serve_errors_total{{reason="{reason}"}}' in metrics, reason
 
 
+def test_a_client_that_never_finishes_its_headers_gets_408_and_the_server_goes_on(server):
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        answer = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert b"connection: close" in head.lower() and "serve.header_timeout_s=1" in json.loads(body)["error"]
+    status, _, body = request(server, "GET", "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    metrics = request(server, "GET", "/metrics")[2].decode()
+    assert 'formula_serve_errors_total{reason="slow_headers"}' in metrics
+    assert 'formula_serve_requests_total{code="408",path="other"}' in metrics
+
+
 def test_sigterm_drains_accepted_requests_refuses_new_and_exits_0(pkg, images, infer_answers, tmp_path):
     # one worker that would wait a minute for a fuller batch: only the drain makes it read now
     s = serve_load.Server(str(pkg), ["serve.workers=1", "serve.max_batch=4", "serve.max_wait_ms=60000"], tmp_path)
@@ -227,6 +243,8 @@ def test_bad_config_is_one_line_before_any_work(tmp_path):
 
     proc = run_cli("stage=serve", "serve.max_batch=0", f"artifacts.dir={tmp_path}")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: config: serve.max_batch=0: must be >= 1"
+    with pytest.raises(ConfigError, match=r"serve.header_timeout_s=0: must be >= 0.1"):
+        serve.ServeConfig(header_timeout_s=0)
     ctx = make_ctx(tmp_path)
     with pytest.raises(ConfigError, match="serve.package is not set"):
         serve.run(OmegaConf.to_object(ctx.cfg.serve), ctx)

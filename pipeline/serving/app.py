@@ -6,7 +6,9 @@ worker: a wrong content type (415) and a declared body over ``max_bytes`` (413) 
 the body is read; a body that grows past ``max_bytes`` (413) or does not arrive within
 ``read_timeout_s`` (a slow client, 408) is refused while it is read; what is not a decodable image,
 a truncated one, or a decompression bomb (400) is refused by :func:`pipeline.files.decode_image`,
-the guard every stage reads images through, in a thread of its own.
+the guard every stage reads images through, in a thread of its own. A client that does not finish
+its request line and headers within ``header_timeout_s`` (a slowloris) is answered 408 before any
+of this, by the server's protocol (:mod:`.protocol`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class HttpError(Exception):
 class Limits:
     max_bytes: int = 4_000_000     # largest body read
     read_timeout_s: float = 10.0   # the whole body must arrive within this
+    header_timeout_s: float = 10.0  # the request line and headers must arrive within this
 
 
 def content_type(headers: dict[bytes, bytes]) -> str:
@@ -109,6 +112,11 @@ class ServeApp:
         self.metrics = metrics
         self.info = dict(info or {})
         self.draining = False
+
+    def count_slow_headers(self) -> None:
+        """A connection the protocol answered 408: its headers did not arrive in time (no path known)."""
+        self.metrics.errors.labels("slow_headers").inc()
+        self.metrics.requests.labels("other", "408").inc()
 
     def start_draining(self) -> None:
         self.draining = True
@@ -197,6 +205,8 @@ def run_server(app: ServeApp, host: str, port: int, drain_timeout_s: float,
     the accepted ones answered (for up to ``drain_timeout_s``), the workers stopped; returns."""
     import uvicorn
 
+    from pipeline.serving.protocol import header_timeout_protocol
+
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
             # uvicorn re-raises a captured signal after its shutdown (a SIGTERM would then end the
@@ -214,7 +224,8 @@ def run_server(app: ServeApp, host: str, port: int, drain_timeout_s: float,
                 bound = self.servers[0].sockets[0].getsockname()
                 announce(bound[0], bound[1])
 
-    config = uvicorn.Config(app, host=host, port=port, lifespan="off", http="h11", loop="asyncio",
+    http = header_timeout_protocol(app.limits.header_timeout_s, app.count_slow_headers)  # uvicorn's h11 one
+    config = uvicorn.Config(app, host=host, port=port, lifespan="off", http=http, loop="asyncio",
                             log_config=None, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=drain_timeout_s)
     server = DrainingServer(config)

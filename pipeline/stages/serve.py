@@ -38,6 +38,7 @@ class ServeConfig:
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
     max_bytes: int = 4_000_000         # largest request body (413 above)
     read_timeout_s: float = 10.0       # a body must arrive within this (408: a slow client)
+    header_timeout_s: float = 10.0     # the request line and headers must arrive within this (408: a slowloris)
     drain_timeout_s: float = 60.0      # on SIGTERM, how long accepted requests are waited for
 
     def __post_init__(self) -> None:
@@ -53,6 +54,7 @@ class ServeConfig:
             check_range("serve.max_length", self.max_length, 2, why="BOS plus at least one token")
         check_range("serve.max_bytes", self.max_bytes, 1024, why="an image file is more than 1 kB")
         check_range("serve.read_timeout_s", self.read_timeout_s, 0.1)
+        check_range("serve.header_timeout_s", self.header_timeout_s, 0.1)
         check_range("serve.drain_timeout_s", self.drain_timeout_s, 0)
 
 
@@ -82,8 +84,8 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict:
     spec = first.preprocess_spec
     info = {"package": str(folder), "target": first.meta["target"], "max_batch": cfg.max_batch,
             "speculative": first.speculative}
-    app = ServeApp(scheduler, lambda image: preprocess_image(image, spec), Limits(cfg.max_bytes, cfg.read_timeout_s),
-                   metrics, info)
+    limits = Limits(cfg.max_bytes, cfg.read_timeout_s, cfg.header_timeout_s)
+    app = ServeApp(scheduler, lambda image: preprocess_image(image, spec), limits, metrics, info)
 
     def announce(host: str, port: int) -> None:
         how = "speculative when alone" if first.speculative else "greedy"
