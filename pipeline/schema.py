@@ -122,11 +122,11 @@ PACKAGE = {
     "layout_run_cap": INT(0, optional=True),
     "num_layers": INT(1), "num_heads": INT(1), "head_dim": INT(1), "hidden_size": INT(1),
     "input_shape": Spec("list", items=INT(1), length=3),
+    "tokenizer": Spec("dict", optional=True, fields={"kind": Spec("str", optional=True)}),
 }
 
-PREPROCESS = {
-    "kind": Spec("str"), "height": INT(1), "width": INT(1), "margin": INT(0), "scale": Spec("number", min=1e-9),
-}
+# the fields every kind has; each kind's own fields are checked by pipeline/preprocessing.py's registry
+PREPROCESS = {"kind": Spec("str"), "height": INT(1), "width": INT(1)}
 
 CHAR_TOKENIZER = {
     "token_to_id": Spec("dict", items=INT(0)),

@@ -16,6 +16,7 @@ from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
 from pipeline.decoding import FixedWidthVerify, LayoutGuard, SpeculativeStats, greedy, speculative_greedy
 from pipeline.errors import PipelineError
+from pipeline.preprocessing import preprocess
 from pipeline.schema import load_json
 
 PACKAGE_META = "package.json"
@@ -24,13 +25,9 @@ TOKENIZER = "tokenizer.json"
 
 
 def preprocess_image(image: Image.Image, spec: dict) -> np.ndarray:
-    """The model's inference preprocessing, from ``preprocess.json`` -> float32 [C, H, W]."""
-    if spec.get("kind") != "latex_ocr_junia.canvas":
-        raise PipelineError(f"unsupported preprocessing kind {spec.get('kind')!r} in {PREPROCESS}")
-    from pipeline.adapters.latex_ocr_junia import place_on_canvas, to_grey
-
-    canvas = place_on_canvas(to_grey(image), int(spec["height"]), int(spec["width"]), int(spec["margin"]))
-    return (np.asarray(canvas, dtype=np.float32) / float(spec["scale"]))[None]
+    """The model's inference preprocessing, from ``preprocess.json`` -> float32 [C, H, W]
+    (any kind :mod:`pipeline.preprocessing` knows)."""
+    return preprocess(image, spec)
 
 
 class CharTokenizer:
@@ -58,12 +55,40 @@ class CharTokenizer:
         return "".join(out)
 
 
-def package_tokenizer(path: Path):
-    """The package's ``tokenizer.json``: the model's char vocabulary, or the formula BPE (HF
-    ``tokenizers`` JSON) of a decoder from stage distill; both decode ids up to EOS."""
+def _sniffed_tokenizer(path: Path, meta: dict | None = None):
+    """The char vocabulary or the formula BPE, whichever the file is (packages from before
+    ``package.json: tokenizer.kind``, and the two kinds export writes from the file itself)."""
     from pipeline.tokenization.bpe import BpeTokenizer, is_bpe_file
 
     return BpeTokenizer.from_file(path) if is_bpe_file(path) else CharTokenizer(path)
+
+
+def _hf_tokenizer(path: Path, meta: dict):
+    """Any HF ``tokenizers`` JSON, with the model's special ids from ``package.json``."""
+    from pipeline.tokenization.hf import HfTokenizer
+
+    return HfTokenizer(path, int(meta["bos_id"]), int(meta["eos_id"]),
+                       None if meta.get("pad_id") is None else int(meta["pad_id"]))
+
+
+# package.json: tokenizer.kind -> the loader of tokenizer.json. "char" and "bpe" read the file as it is
+# (export names the kind from the file, so the two agree; the file decides, as before the kind existed).
+TOKENIZER_KINDS: dict[str, Callable[[Path, dict], object]] = {
+    "char": _sniffed_tokenizer, "bpe": _sniffed_tokenizer, "hf": _hf_tokenizer,
+}
+
+
+def package_tokenizer(path: Path, meta: dict | None = None):
+    """The package's ``tokenizer.json`` by ``package.json: tokenizer.kind``: the model's char
+    vocabulary, the formula BPE of a decoder from stage distill, or any HF tokenizer ("hf"); without
+    a kind, the char vocabulary or the formula BPE, whichever the file is. All decode ids up to EOS."""
+    kind = ((meta or {}).get("tokenizer") or {}).get("kind")
+    if kind is None:
+        return _sniffed_tokenizer(Path(path))
+    if kind not in TOKENIZER_KINDS:
+        raise PipelineError(f"{PACKAGE_META} in {Path(path).parent}: unsupported tokenizer kind {kind!r} "
+                            f"(known kinds: {', '.join(sorted(TOKENIZER_KINDS))})")
+    return TOKENIZER_KINDS[kind](Path(path), meta)
 
 
 def batch_runs(n: int, batch_size: int, parts: int) -> list[tuple[int, int]]:
@@ -90,7 +115,7 @@ class OnnxPackage:
             raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
         self.meta = load_json(self.folder / PACKAGE_META, schema.PACKAGE, f"package {self.folder}")
         self.preprocess_spec = load_json(self.folder / PREPROCESS, schema.PREPROCESS, f"package {self.folder}")
-        self.tokenizer = package_tokenizer(self.folder / TOKENIZER)
+        self.tokenizer = package_tokenizer(self.folder / TOKENIZER, self.meta)
         wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
         available = ort.get_available_providers()
         # the reference runtime: a package for another accelerator is checked on ORT CPU here
