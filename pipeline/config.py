@@ -29,6 +29,9 @@ class ArtifactsConfig:
 @dataclass
 class ModelConfig:
     adapter: str = "latex_ocr_junia"  # model family (pipeline/adapters/)
+    # where the original model is: None = the adapter's own (latex_ocr_junia: the weights in its wheel);
+    # a local folder otherwise (hf_vision_encoder_decoder: a save_pretrained folder, safetensors only)
+    path: Optional[str] = None
     trust_checkpoint: bool = False    # allow a checkpoint that needs pickled code (never by default)
     max_length: int = 160             # decode cap, BOS included; the same for every variant compared
     # greedy decoding lets no reading end in more than this many layout-only atoms in a row (spacing,

@@ -206,9 +206,16 @@ class StageContext:
             ref = upstream
         return ref
 
-    def load_model(self, ref: str = "original") -> ModelAdapter:
+    def model_source(self, ref: str = "original") -> str:
+        """What the adapter's ``load`` takes for ``ref``: a model folder, or for the original
+        ``model.path`` when set, else ``"package"`` (the adapter's own weights)."""
         folder = self.model_folder(ref)
-        adapter = load_adapter(self.cfg.model.adapter, "package" if folder is None else str(folder),
+        if folder is not None:
+            return str(folder)
+        return str(self.cfg.model.path) if self.cfg.model.path else "package"
+
+    def load_model(self, ref: str = "original") -> ModelAdapter:
+        adapter = load_adapter(self.cfg.model.adapter, self.model_source(ref),
                                trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
         check_max_length(int(self.cfg.model.max_length), adapter.max_positions, f"model {ref!r}")
         adapter.layout_run_cap = int(self.cfg.model.layout_run_cap)
@@ -230,13 +237,17 @@ class StageContext:
     def model_tokenizer(self, ref: str = "original") -> tuple[Any, list[str]]:
         """The model's tokenizer and its output vocabulary (token strings in id order), from its
         adapter, without loading the weights."""
-        folder = self.model_folder(ref)
         cls = adapter_class(self.cfg.model.adapter)
-        source = "package" if folder is None else str(folder)
+        source = self.model_source(ref)
         return cls.text_tokenizer(source), cls.vocabulary(source)
 
     def model_hash(self, ref: str = "original") -> str:
         folder = self.model_folder(ref)
+        if folder is None and self.cfg.model.path:
+            path = Path(self.cfg.model.path)
+            if not path.is_dir():
+                raise PipelineError(f"model.path: no such folder {path}")
+            return sha256_dir(path)
         if folder is None:
             from importlib import metadata
             return f"{self.cfg.model.adapter}:package:{metadata.version('latex-ocr-junia')}"

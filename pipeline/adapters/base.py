@@ -10,7 +10,7 @@ import abc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -41,7 +41,8 @@ def adapter_class(name: str) -> type["ModelAdapter"]:
 
 # the adapters that ship with the pipeline, by name: imported when asked for (each registers itself),
 # so this interface module never imports an implementation of it
-BUILTIN_ADAPTERS = {"latex_ocr_junia": "pipeline.adapters.latex_ocr_junia"}
+BUILTIN_ADAPTERS = {"latex_ocr_junia": "pipeline.adapters.latex_ocr_junia",
+                    "hf_vision_encoder_decoder": "pipeline.adapters.hf_vision_encoder_decoder"}
 
 
 def _import_builtin_adapters() -> None:
@@ -63,6 +64,28 @@ class DecodeResult:
     hit_cap: list[bool] = field(default_factory=list)  # stopped by max_length, not by EOS
     calls: list[int] = field(default_factory=list)  # decoder calls per sample (speculative decoding: fewer
                                                      # than steps); empty: one per step
+
+
+@runtime_checkable
+class CachedDecoder(Protocol):
+    """What :meth:`ModelAdapter.cached_decoder` returns: the decoder with a KV cache, as export traces
+    it into ``decoder_first`` / ``decoder_step`` / ``decoder_verify`` (pipeline/export/graphs.py).
+
+    Tensors: memory [B, N, D]; per layer a key and a value [B, H, S, d], listed k0, v0, k1, v1 ...
+    """
+
+    num_layers: int
+
+    def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
+        """The cross-attention keys and values of the memory, per layer (computed once a formula)."""
+        ...
+
+    def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
+            every: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """tokens [B, T] after ``past`` ([] = none) -> logits [B, V] after the last token (``every``:
+        [B, T, V]), and the present self-attention keys and values (past + T tokens). ``causal``: token
+        i reads keys up to its own position; a lone new token reads them all."""
+        ...
 
 
 class ModelAdapter(abc.ABC):
@@ -93,6 +116,17 @@ class ModelAdapter(abc.ABC):
         """The output vocabulary of the model at ``source``, token strings in id order: what the
         tokenizer stage trains a formula BPE beside (every character the model writes stays one atom)."""
         raise PipelineError(f"model adapter {cls.family!r} does not declare its vocabulary")
+
+    # the tokenizer file an exported package ships (the runtime reads it by ``tokenizer_kind``)
+    tokenizer_path: Path
+
+    def tokenizer_kind(self) -> str:
+        """How the runtime reads :attr:`tokenizer_path` (pipeline/export/runtime.py): ``char`` (the
+        default model's vocabulary), ``bpe`` (the formula BPE of stage distill's student) or ``hf`` (any
+        HF ``tokenizers`` JSON, with the package's own special ids)."""
+        from pipeline.tokenization.bpe import is_bpe_file
+
+        return "bpe" if is_bpe_file(self.tokenizer_path) else "char"
 
     def source_files(self) -> list[Path]:
         """The files the model was loaded from (its size on disk as shipped); [] when not known."""
@@ -192,7 +226,7 @@ class ModelAdapter(abc.ABC):
         """The longest token sequence (BOS included) the decoder's position table holds; None: no limit."""
         return None
 
-    def cached_decoder(self) -> Any | None:
+    def cached_decoder(self) -> CachedDecoder | None:
         """A KV-cached decoder (``cross_kv(memory)``, ``run(tokens, past, cross, causal)``), or None.
 
         The shipped decoder re-runs the whole prefix (and re-projects the encoder memory) at every

@@ -16,7 +16,6 @@ from pipeline.export import onnx_graphs as og
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
 from pipeline.export.validator import Violation, validate
-from pipeline.tokenization.bpe import is_bpe_file
 from pipeline.export.fusion import fuse_attention, fuse_cached_attention
 
 
@@ -169,7 +168,8 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "graphs": graphs, "io": og.graph_io(nl), "precision": built.precision,
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
         # the char vocabulary, or the formula BPE (HF tokenizers JSON) of a decoder from stage distill
-        "tokenizer": {"file": TOKENIZER, "kind": "bpe" if is_bpe_file(adapter.tokenizer_path) else "char"},
+        # (hf: any HF tokenizers JSON, read with the ids below)
+        "tokenizer": {"file": TOKENIZER, "kind": adapter.tokenizer_kind()},
         "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
         "max_positions": adapter.max_positions or int(max_length),  # the decoder position table

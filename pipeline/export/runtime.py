@@ -115,6 +115,9 @@ class OnnxPackage:
             raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
         self.meta = load_json(self.folder / PACKAGE_META, schema.PACKAGE, f"package {self.folder}")
         self.preprocess_spec = load_json(self.folder / PREPROCESS, schema.PREPROCESS, f"package {self.folder}")
+        from pipeline.preprocessing import check_spec
+
+        check_spec(self.preprocess_spec, f"{PREPROCESS} in {self.folder}")  # its kind's own fields, before any image
         self.tokenizer = package_tokenizer(self.folder / TOKENIZER, self.meta)
         wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
         available = ort.get_available_providers()

@@ -1,0 +1,399 @@
+"""Adapter for Hugging Face ``VisionEncoderDecoderModel``s read from a local folder (TrOCR-style).
+
+Supported: a ViT or DeiT encoder (HF-style attention: separate q/k/v/o ``Linear``s, so heads are
+removed by slicing, :mod:`pipeline.adapters.hf_vit`) and a TrOCR (post-LN) or mBART (pre-LN, as in
+Donut and Nougat) decoder. The folder is ``save_pretrained``'s layout: ``config.json``,
+``model.safetensors``, ``tokenizer.json`` (any HF ``tokenizers`` JSON) and
+``preprocessor_config.json`` (the image processor, read as data: pipeline/preprocessing.py).
+Weights load from safetensors only; code named by the folder (``auto_map``) is never run.
+
+The KV-cached decoder (:class:`HfCachedDecoder`) recomputes the HF decoder's function from its
+modules' weights with the cache as plain tensors, so export traces the same graphs it traces for the
+default model. A model this adapter pruned is saved as its HF config, its weights (internal names)
+and ``formula_compress.json`` (the heads each encoder layer kept).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import nn
+
+from pipeline.adapters.attention import num_heads
+from pipeline.adapters.base import ModelAdapter, register_adapter
+from pipeline.adapters.hf_vit import remove_hf_heads
+from pipeline.errors import PipelineError
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+PREPROCESSOR = "preprocessor_config.json"
+OWN = "formula_compress.json"  # what this pipeline changed (heads kept per encoder layer)
+ENCODERS = ("vit", "deit")
+DECODERS = {"trocr": "post", "mbart": "pre"}  # where each decoder family puts its LayerNorms
+SUPPORTED = f"supported: a vision-encoder-decoder with a {' or '.join(ENCODERS)} encoder and a " \
+            f"{' or '.join(DECODERS)} decoder, save_pretrained's layout with model.safetensors"
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise PipelineError(f"not a Hugging Face model folder (no {CONFIG}): {folder}")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise PipelineError(f"{path}: not a model config")
+    return config
+
+
+def check_folder(folder: Path) -> dict:
+    """The folder's config when this adapter supports the model; else one line saying what is."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise PipelineError(f"model.path: no such folder {folder}")
+    config = _read_config(folder)
+    for part in (config, config.get("encoder") or {}, config.get("decoder") or {}):
+        if part.get("auto_map"):
+            raise PipelineError(f"{folder}: the model needs its own code (auto_map); remote code is never run. "
+                                f"{SUPPORTED}")
+    kind = config.get("model_type")
+    enc = (config.get("encoder") or {}).get("model_type")
+    dec = (config.get("decoder") or {}).get("model_type")
+    if kind != "vision-encoder-decoder" or enc not in ENCODERS or dec not in DECODERS:
+        raise PipelineError(f"{folder}: unsupported model ({kind}: {enc} encoder, {dec} decoder); {SUPPORTED}")
+    if not (folder / WEIGHTS).is_file():
+        pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        why = f"only a pickle checkpoint ({pickled[0]}), which could run code when read" if pickled else "no weights"
+        raise PipelineError(f"{folder}: {why}; {SUPPORTED}")
+    for name in (TOKENIZER, PREPROCESSOR):
+        if not (folder / name).is_file():
+            raise PipelineError(f"{folder}: no {name}; {SUPPORTED}")
+    return config
+
+
+def special_ids(config: dict) -> tuple[int, int, int]:
+    """(decoder start, EOS, pad) ids of a vision-encoder-decoder config."""
+    dec = config.get("decoder") or {}
+
+    def first(*keys: str) -> int:
+        for source in (config, dec):
+            for k in keys:
+                if source.get(k) is not None:
+                    return int(source[k])
+        raise PipelineError(f"the model config names no {keys[0]}")
+
+    return first("decoder_start_token_id", "bos_token_id"), first("eos_token_id"), first("pad_token_id")
+
+
+class HfCachedDecoder(nn.Module):
+    """A TrOCR or mBART decoder (``transformers`` modules) with its KV cache as plain tensors
+    (:class:`pipeline.adapters.base.CachedDecoder`)."""
+
+    def __init__(self, causal_lm: nn.Module, norm: str):
+        super().__init__()
+        self.decoder = causal_lm.model.decoder
+        self.head = causal_lm.get_output_embeddings()
+        self.norm = norm  # "pre" (mBART) or "post" (TrOCR)
+        self.layers = self.decoder.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @staticmethod
+    def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+        b, n, _ = x.shape  # the head count spelled out: ORT's attention fusion reads it off the reshape
+        return x.reshape(b, n, attn.num_heads, attn.head_dim).transpose(1, 2)
+
+    def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for layer in self.layers:
+            a = layer.encoder_attn
+            out += [self._heads(a.k_proj(memory), a), self._heads(a.v_proj(memory), a)]
+        return out
+
+    def _attend(self, attn: nn.Module, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                offset: int | torch.Tensor | None) -> torch.Tensor:
+        q = self._heads(attn.q_proj(x), attn)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(attn.head_dim))
+        if offset is not None:
+            t, s = q.shape[2], k.shape[2]
+            qpos = torch.arange(t, device=q.device)[:, None] + offset
+            scores = scores.masked_fill(torch.arange(s, device=q.device)[None, :] > qpos, float("-inf"))
+        ctx = torch.matmul(F.softmax(scores, dim=-1), v)
+        b, n = x.shape[0], x.shape[1]
+        return attn.out_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
+
+    def _embed(self, tokens: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
+        d = self.decoder
+        x = d.embed_tokens(tokens)
+        pos = d.embed_positions
+        positions = torch.arange(tokens.shape[1], device=tokens.device) + offset
+        if hasattr(pos, "weights"):  # TrOCR's sinusoidal table: positions start after padding_idx
+            x = x + pos.weights.to(x.device)[positions + pos.padding_idx + 1][None]
+        else:  # learned, with mBART's / TrOCR's offset of 2
+            x = x + F.embedding(positions + pos.offset, pos.weight)[None]
+        if getattr(d, "layernorm_embedding", None) is not None:
+            x = d.layernorm_embedding(x)
+        return x
+
+    def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
+            every: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        offset = past[0].shape[2] if past else 0
+        x = self._embed(tokens, offset)
+        pre = self.norm == "pre"
+        present = []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.self_attn_layer_norm(x) if pre else x
+            k, v = self._heads(a.k_proj(h), a), self._heads(a.v_proj(h), a)
+            if past:
+                k, v = torch.cat([past[2 * i], k], dim=2), torch.cat([past[2 * i + 1], v], dim=2)
+            present += [k, v]
+            x = x + self._attend(a, h, k, v, offset if causal else None)
+            if not pre:
+                x = layer.self_attn_layer_norm(x)
+            h = layer.encoder_attn_layer_norm(x) if pre else x
+            x = x + self._attend(layer.encoder_attn, h, cross[2 * i], cross[2 * i + 1], None)
+            if not pre:
+                x = layer.encoder_attn_layer_norm(x)
+            h = layer.final_layer_norm(x) if pre else x
+            x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
+            if not pre:
+                x = layer.final_layer_norm(x)
+        x = x if every else x[:, -1]
+        if getattr(self.decoder, "layer_norm", None) is not None:
+            x = self.decoder.layer_norm(x)
+        return self.head(x).float(), present
+
+
+@register_adapter("hf_vision_encoder_decoder")
+class HfVisionEncoderDecoderAdapter(ModelAdapter):
+    def __init__(self, model: nn.Module, folder: Path, config: dict):
+        from pipeline.preprocessing import hf_preprocess_spec, output_shape
+        from pipeline.tokenization.hf import HfTokenizer
+
+        self.model = model.eval()
+        self.folder = Path(folder)
+        self.config = config
+        self.tokenizer_path = self.folder / TOKENIZER
+        self._bos, self._eos, self._pad = special_ids(config)
+        self.tokenizer = HfTokenizer(self.tokenizer_path, self._bos, self._eos, self._pad)
+        channels = int(model.config.encoder.num_channels)
+        self._spec = hf_preprocess_spec(json.loads((self.folder / PREPROCESSOR).read_text()), channels)
+        size = model.config.encoder.image_size
+        h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        made = output_shape(self._spec)
+        if made != (channels, h, w):
+            raise PipelineError(f"{self.folder / PREPROCESSOR}: makes {made[0]}x{made[1]}x{made[2]} images, the "
+                                f"encoder takes {channels}x{h}x{w}")
+        self._shape = (channels, h, w)
+
+    # ---- loading and saving -------------------------------------------------------------
+    @classmethod
+    def load(cls, source: str, trust_checkpoint: bool = False) -> "HfVisionEncoderDecoderAdapter":
+        from transformers import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+
+        if source in ("package", "", None):
+            raise PipelineError("model.adapter=hf_vision_encoder_decoder reads a local folder: set model.path "
+                                "to a save_pretrained folder")
+        folder = Path(source)
+        config = check_folder(folder)
+        own = folder / OWN
+        try:
+            if own.is_file():  # a model this pipeline saved: build, cut the heads it cut, then load
+                from safetensors.torch import load_model
+
+                heads = json.loads(own.read_text())["encoder_heads"]
+                model = VisionEncoderDecoderModel(config=VisionEncoderDecoderConfig.from_pretrained(folder))
+                model.encoder.set_attn_implementation("eager")  # the decoder that is exported is ours
+                attns = _encoder_attentions(model)
+                if len(heads) != len(attns):
+                    raise PipelineError(f"{own}: {len(heads)} head counts for {len(attns)} encoder layers")
+                for attn, n in zip(attns, heads):
+                    if int(n) < num_heads(attn):
+                        remove_hf_heads(attn, list(range(int(n), num_heads(attn))))
+                load_model(model, str(folder / WEIGHTS), strict=True)
+            else:
+                model = VisionEncoderDecoderModel.from_pretrained(folder, use_safetensors=True,
+                                                                  attn_implementation="eager")
+        except PipelineError:
+            raise
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+            raise PipelineError(f"{folder}: the model does not load: {str(exc).splitlines()[0]}") from None
+        return cls(model.eval(), folder, config)
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_model
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.config.save_pretrained(folder)
+        save_model(self.model, str(folder / WEIGHTS), metadata={"family": self.family, "format": "pt"})
+        for name in (TOKENIZER, PREPROCESSOR):
+            shutil.copyfile(self.folder / name, folder / name)
+        (folder / OWN).write_text(json.dumps({"family": self.family,
+                                              "encoder_heads": self.encoder_head_counts()}, indent=2) + "\n")
+
+    @classmethod
+    def text_tokenizer(cls, source: str):
+        from pipeline.tokenization.hf import HfTokenizer
+
+        folder = Path(source)
+        config = check_folder(folder)
+        return HfTokenizer(folder / TOKENIZER, *special_ids(config))
+
+    @classmethod
+    def vocabulary(cls, source: str) -> list[str]:
+        return cls.text_tokenizer(source).token_strings()
+
+    def source_files(self) -> list[Path]:
+        return sorted(p for p in self.folder.iterdir() if p.is_file())
+
+    def tokenizer_kind(self) -> str:
+        return "hf"
+
+    # ---- input ------------------------------------------------------------------------------
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return self._shape
+
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        from pipeline.preprocessing import preprocess
+
+        return torch.from_numpy(np.ascontiguousarray(preprocess(image, self._spec)))
+
+    def preprocess_spec(self) -> dict:
+        return dict(self._spec)
+
+    # ---- tokens -------------------------------------------------------------------------------
+    @property
+    def bos_id(self) -> int:
+        return self._bos
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.decoder.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        n = getattr(self.model.config.decoder, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def banned_token_ids(self) -> list[int]:
+        # TrOCR starts decoding with EOS (</s>): never ban the token that ends a reading
+        return [i for i in dict.fromkeys([self.pad_id, self.bos_id]) if i != self.eos_id]
+
+    def encode_text(self, latex: str) -> list[int]:
+        return self.tokenizer.encode(latex)
+
+    def decode_text(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def decoder_parameters(self) -> list[nn.Parameter]:
+        # what reads the memory and writes tokens: the encoder-to-decoder projection (if any) and the decoder
+        proj = getattr(self.model, "enc_to_dec_proj", None)
+        return [*(proj.parameters() if proj is not None else []), *self.model.decoder.parameters()]
+
+    def vocabulary_parameters(self) -> list[nn.Parameter]:
+        return list(dict.fromkeys([self.model.decoder.model.decoder.embed_tokens.weight,
+                                   *self.model.decoder.get_output_embeddings().parameters()]))
+
+    def cross_attention_parameters(self) -> list[nn.Parameter]:
+        return [p for layer in self.model.decoder.model.decoder.layers
+                for p in (*layer.encoder_attn_layer_norm.parameters(), *layer.encoder_attn.parameters())]
+
+    # ---- compute ------------------------------------------------------------------------------
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        memory = self.model.encoder(pixel_values=images.to(self.device)).last_hidden_state
+        proj = getattr(self.model, "enc_to_dec_proj", None)
+        return proj(memory) if proj is not None else memory
+
+    def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        out = self.model.decoder(input_ids=tokens.to(self.device), encoder_hidden_states=memory.to(self.device),
+                                 use_cache=False)
+        return out.logits.float()
+
+    def cached_decoder(self) -> HfCachedDecoder:
+        return HfCachedDecoder(self.model.decoder, DECODERS[self.model.config.decoder.model_type]).eval()
+
+    # ---- structure ------------------------------------------------------------------------------
+    def encoder_head_counts(self) -> list[int]:
+        return [num_heads(a) for a in _encoder_attentions(self.model)]
+
+    def encoder_attention(self, layer: int) -> nn.Module:
+        return _encoder_attentions(self.model)[layer]
+
+    def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
+        attns = _encoder_attentions(self.model)
+        for layer, remove in heads.items():
+            if remove:
+                remove_hf_heads(attns[int(layer)], list(remove))
+
+
+def _encoder_attentions(model: nn.Module) -> list[nn.Module]:
+    """Each encoder layer's self-attention (ViT / DeiT: ``layers[i].attention``)."""
+    return [layer.attention for layer in model.encoder.layers]
+
+
+def tiny_model(folder: Path, encoder: str = "vit", decoder: str = "trocr", seed: int = 0,
+               image_size: tuple[int, int] = (32, 128), channels: int = 1, vocab: Sequence[str] | None = None) -> Path:
+    """A small randomly initialised model of a supported pair written as a save_pretrained folder
+    (tests, and trying the chain on a model of this family without downloading one)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import (DeiTConfig, MBartConfig, TrOCRConfig, ViTConfig, VisionEncoderDecoderConfig,
+                              VisionEncoderDecoderModel)
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    chars = list(vocab) if vocab is not None else list(
+        "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ+-=()[]{}^_\\,.;:!|<>/*' ")
+    table = {t: i for i, t in enumerate(specials + [c for c in dict.fromkeys(chars) if c not in specials])}
+    tok = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tok.save(str(folder / TOKENIZER))
+    enc_cls = {"vit": ViTConfig, "deit": DeiTConfig}[encoder]
+    enc = enc_cls(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                  image_size=list(image_size), patch_size=8, num_channels=channels)
+    common = dict(vocab_size=len(table), pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                  max_position_embeddings=256)
+    if decoder == "trocr":
+        dec = TrOCRConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, **common)
+    else:
+        dec = MBartConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
+                          encoder_layers=1, is_decoder=True, add_cross_attention=True, **common)
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(enc, dec)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 2, 1, 2
+    torch.manual_seed(seed)
+    model = VisionEncoderDecoderModel(config=config).eval()
+    with torch.no_grad():  # random weights that read something: a peaked output layer, EOS less likely
+        head = model.decoder.get_output_embeddings()
+        head.weight.mul_(8.0)
+        head.weight[2].mul_(0.25)
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / PREPROCESSOR).write_text(json.dumps({
+        "image_processor_type": "ViTImageProcessor", "do_resize": True,
+        "size": {"height": image_size[0], "width": image_size[1]}, "resample": 2, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * channels,
+        "image_std": [0.5] * channels}, indent=2) + "\n")
+    return folder
