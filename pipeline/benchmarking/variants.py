@@ -2,6 +2,7 @@
 KV-cached decoding) and exported ONNX Runtime packages; where each lives and its size on disk."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,6 @@ def dir_bytes(paths: list[Path]) -> int:
 
 def package_files(folder: Path) -> list[Path]:
     """The files a package ships: its graphs (with external weights) and its JSON."""
-    import json
-
     meta = json.loads((folder / PACKAGE_META).read_text())
     graphs = [folder / g for g in meta["graphs"].values()]
     data = [folder / f"{g}.data" for g in meta["graphs"].values() if (folder / f"{g}.data").is_file()]
@@ -131,6 +130,75 @@ def package_variant(label: str, folder: Path, threads: int, speculative: bool = 
 
     return Variant(label, PACKAGE, str(folder), dir_bytes(package_files(folder)), decode,
                    {"kind": PACKAGE, "folder": str(folder), "speculative": speculative}, package)
+
+
+@dataclass
+class Lineup:
+    """The variants of one benchmark in row order (the shipped torch model first), and the greedy
+    twins among them: "<label> (greedy)" -> the speculative package that twin decodes plain greedy."""
+    variants: list[Variant]
+    twins: dict[str, Variant] = field(default_factory=dict)
+
+    @property
+    def shipped(self) -> Variant:
+        return self.variants[0]
+
+    @property
+    def reference(self) -> Variant:
+        """What identical tokens and Δ points compare with: the KV-cached torch model (the full prefix's
+        tokens, on more formulas), else the shipped one."""
+        second = self.variants[1] if len(self.variants) > 1 else None
+        return second if second is not None and second.kind == TORCH_KV else self.shipped
+
+    @property
+    def read(self) -> list[Variant]:
+        """The variants with a batched reading of their own (a twin shares its package's)."""
+        return [v for v in self.variants if v.label not in self.twins]
+
+    @property
+    def packages(self) -> list[Variant]:
+        """The packages with a batched reading of their own: they read the other splits too."""
+        return [v for v in self.read if v.kind == PACKAGE]
+
+
+def with_greedy_twins(variants: list[Variant], threads: int) -> Lineup:
+    """``variants``, then each package that decodes speculatively at batch 1 again as "<label> (greedy)":
+    the same package, plain greedy. Batches of more than one image decode greedy in both, so a twin
+    shares its package's batched readings."""
+    twins = {f"{v.label} (greedy)": v for v in variants if v.package is not None and v.package.speculative}
+    return Lineup(variants + [package_variant(label, Path(v.location), threads, speculative=False)
+                              for label, v in twins.items()], twins)
+
+
+def vocabulary(v: Variant, adapter: ModelAdapter) -> str:
+    """What a variant's token ids index: the char vocabulary or distill's BPE, and its size (a
+    package says which in ``package.json``; the torch variants run ``adapter``'s model)."""
+    from pipeline.tokenization.bpe import BpeTokenizer
+
+    if v.package is not None:
+        tok = v.package.tokenizer
+        kind = (v.package.meta.get("tokenizer") or {}).get("kind") or ("bpe" if isinstance(tok, BpeTokenizer) else "char")
+        size = tok.vocab_size if isinstance(tok, BpeTokenizer) else len(tok.id_to_token)
+    else:
+        kind = "bpe" if isinstance(getattr(adapter, "tokenizer", None), BpeTokenizer) else "char"
+        size = adapter.vocab_size
+    return f"{kind}, {size} entries"
+
+
+def layout_run_cap(v: Variant, adapter: ModelAdapter) -> int:
+    """The layout-run cap a variant decodes with: a package's own (the one it was exported with)."""
+    return v.package.layout_run_cap if v.package is not None else adapter.layout_run_cap
+
+
+def package_model(folder: Path) -> Optional[str]:
+    """The model a package was exported from (its manifest's ``model_ref``), if it says."""
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text()).get("config", {}).get("model_ref")
+    except (json.JSONDecodeError, OSError):
+        return None
 
 
 def rebuild(spec: dict[str, Any], threads: int) -> Callable[[np.ndarray, int, int], DecodeResult]:
