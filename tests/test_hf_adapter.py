@@ -149,3 +149,30 @@ def test_a_pickle_checkpoint_is_refused_on_the_command_line_in_one_line(folders,
     assert proc.returncode != 0
     last = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1]
     assert "pickle checkpoint" in last and "model.safetensors" in last
+
+
+def test_stage_all_runs_the_chain_on_a_tiny_hf_model_and_writes_the_summary(folders, tmp_path, monkeypatch):
+    """``stage=all model=hf_vision_encoder_decoder model.path=<folder>``: the default chain's settings
+    (sizes shrunk as for the default model's test), every target exported from the pruned model with its
+    INT8 encoder, each package token for token its torch model on the parity formulas."""
+    from conftest import compose_cfg
+    from pipeline.__main__ import run_stages
+    from pipeline.context import StageContext
+    from test_chain_default import SIZES, _corpus
+
+    _corpus(monkeypatch)
+    root = tmp_path / "artifacts"
+    cfg = compose_cfg(["stage=all", "model=hf_vision_encoder_decoder", f"model.path={folders[('vit', 'trocr')]}",
+                       f"artifacts.dir={root}", "progress=false", *SIZES])
+    assert list(cfg.prune.key_pool_layers) == []  # the model's config turns key pooling off, nothing else
+    done = run_stages(cfg, StageContext(cfg))
+    assert {"prune", "tokenizer", "calibrate", "quantize", "export", "benchmark"} <= set(done)
+    heads = json.loads((root / "prune" / "model" / "formula_compress.json").read_text())["encoder_heads"]
+    assert sum(heads) == 4 + 4 - 2  # prune.num_heads=2 removed for real
+    for target in cfg.export.targets:
+        manifest = json.loads((root / f"export-{target}" / "manifest.json").read_text())
+        assert manifest["metrics"]["tokens"]["identical"] == 1.0, target
+        assert manifest["metrics"]["precision"]["encoder"].startswith("int8 qdq"), target
+        assert json.loads((root / f"export-{target}" / "package.json").read_text())["tokenizer"]["kind"] == "hf"
+    summary = (root / "summary.md").read_text()
+    assert "deployable" in summary and "float-original" in summary

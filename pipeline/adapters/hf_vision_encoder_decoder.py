@@ -189,7 +189,14 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         self._bos, self._eos, self._pad = special_ids(config)
         self.tokenizer = HfTokenizer(self.tokenizer_path, self._bos, self._eos, self._pad)
         channels = int(model.config.encoder.num_channels)
-        self._spec = hf_preprocess_spec(json.loads((self.folder / PREPROCESSOR).read_text()), channels)
+        own = json.loads((self.folder / OWN).read_text()) if (self.folder / OWN).is_file() else {}
+        if own.get("preprocess"):  # the preprocessing the weights were trained with, when HF's cannot say it
+            from pipeline.preprocessing import check_spec
+
+            check_spec(own["preprocess"], f"{OWN} in {self.folder}")
+            self._spec = dict(own["preprocess"])
+        else:
+            self._spec = hf_preprocess_spec(json.loads((self.folder / PREPROCESSOR).read_text()), channels)
         size = model.config.encoder.image_size
         h, w = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
         made = output_shape(self._spec)
@@ -241,8 +248,8 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         save_model(self.model, str(folder / WEIGHTS), metadata={"family": self.family, "format": "pt"})
         for name in (TOKENIZER, PREPROCESSOR):
             shutil.copyfile(self.folder / name, folder / name)
-        (folder / OWN).write_text(json.dumps({"family": self.family,
-                                              "encoder_heads": self.encoder_head_counts()}, indent=2) + "\n")
+        (folder / OWN).write_text(json.dumps({"family": self.family, "encoder_heads": self.encoder_head_counts(),
+                                              "preprocess": self._spec}, indent=2) + "\n")
 
     @classmethod
     def text_tokenizer(cls, source: str):

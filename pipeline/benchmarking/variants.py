@@ -171,17 +171,16 @@ def with_greedy_twins(variants: list[Variant], threads: int) -> Lineup:
 
 
 def vocabulary(v: Variant, adapter: ModelAdapter) -> str:
-    """What a variant's token ids index: the char vocabulary or distill's BPE, and its size (a
-    package says which in ``package.json``; the torch variants run ``adapter``'s model)."""
+    """What a variant's token ids index: the char vocabulary, distill's BPE or an HF tokenizer, and its
+    size (a package says which in ``package.json``; the torch variants run ``adapter``'s model)."""
     from pipeline.tokenization.bpe import BpeTokenizer
 
     if v.package is not None:
         tok = v.package.tokenizer
         kind = (v.package.meta.get("tokenizer") or {}).get("kind") or ("bpe" if isinstance(tok, BpeTokenizer) else "char")
-        size = tok.vocab_size if isinstance(tok, BpeTokenizer) else len(tok.id_to_token)
+        size = tok.vocab_size if hasattr(tok, "vocab_size") else len(tok.id_to_token)
     else:
-        kind = "bpe" if isinstance(getattr(adapter, "tokenizer", None), BpeTokenizer) else "char"
-        size = adapter.vocab_size
+        kind, size = adapter.tokenizer_kind(), adapter.vocab_size
     return f"{kind}, {size} entries"
 
 

@@ -208,8 +208,7 @@ def _lineup(cfg: BenchmarkConfig, ctx: StageContext, adapter: ModelAdapter, fold
     """The shipped torch model, the same with the KV cache (where its family has one), every package,
     and (benchmark.greedy_rows) each speculative package's plain greedy twin."""
     family, trust = str(ctx.cfg.model.adapter), bool(ctx.cfg.model.trust_checkpoint)
-    model_folder = ctx.model_folder(cfg.model)
-    source = "package" if model_folder is None else str(model_folder)
+    source = ctx.model_source(cfg.model)
     name = Path(cfg.model).name
     variants = [torch_variant(f"torch {name}", adapter, cfg.model, source, family, use_cache=False,
                               trust_checkpoint=trust, device=ctx.device)]
