@@ -134,7 +134,7 @@ def test_unsupported_models_end_in_one_line_saying_what_is_supported(folders, tm
         with pytest.raises(PipelineError) as err:
             load_adapter("hf_vision_encoder_decoder", str(folder))
         text = str(err.value)
-        assert says in text and "supported: a vision-encoder-decoder with a vit or deit encoder" in text, what
+        assert says in text and "supported: a vision-encoder-decoder with a vit, deit or ijepa encoder" in text, what
         assert "\n" not in text, what
     with pytest.raises(PipelineError, match="set model.path"):
         load_adapter("hf_vision_encoder_decoder", "package")
@@ -176,3 +176,44 @@ def test_stage_all_runs_the_chain_on_a_tiny_hf_model_and_writes_the_summary(fold
         assert json.loads((root / f"export-{target}" / "package.json").read_text())["tokenizer"]["kind"] == "hf"
     summary = (root / "summary.md").read_text()
     assert "deployable" in summary and "float-original" in summary
+
+
+def test_the_default_models_weights_map_onto_hf_classes_and_the_folder_reads_back(tmp_path):
+    """junia -> I-JEPA encoder + mBART decoder (pipeline/adapters/junia_to_hf.py) on a tiny junia model: the
+    decoder maps exactly (its logits on the same memory equal junia's), the encoder's distillation lowers
+    its loss, and the written folder loads through the adapter with junia's canvas preprocessing."""
+    from pipeline.adapters.base import load_adapter
+    from pipeline.adapters.hf_vision_encoder_decoder import HfCachedDecoder
+    from pipeline.adapters.junia_to_hf import distill_encoder, map_weights, write_folder
+    from pipeline.data.render import render_formula
+    from tiny_model import FORMULAS, build_tiny
+
+    junia = build_tiny(d_model=176)  # wider than the vocabulary (166), as the real model (256): the bias folds
+    c, h, w = junia.input_shape
+    hf = map_weights(junia, torch.ones(c, h, w))
+    images = torch.stack([junia.preprocess(render_formula(f)) for f in FORMULAS[:8]])
+    with torch.no_grad():
+        memory = junia.encode(images)
+        ours, theirs = junia.cached_decoder(), HfCachedDecoder(hf.decoder, "pre").eval()
+        ids = torch.tensor([[junia.bos_id, 10, 11, 12]] * len(images))
+        a, _ = ours.run(ids, [], ours.cross_kv(memory), causal=True, every=True)
+        b, _ = theirs.run(ids, [], theirs.cross_kv(memory), causal=True, every=True)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)  # mBART's LayerNorm eps is 1e-5, junia's 1e-6
+    def error() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(hf.encoder(pixel_values=images).last_hidden_state, memory))
+
+    before = error()
+    distill_encoder(hf, junia, images, steps=20, batch_size=8, lr=3e-5)
+    assert error() < 0.9 * before  # the folded embedding LayerNorm's error shrinks as the encoder learns
+    folder = write_folder(hf, junia, tmp_path / "hf", {"distill_steps": 12})
+    adapter = load_adapter("hf_vision_encoder_decoder", str(folder))
+    assert adapter.preprocess_spec()["kind"] == "latex_ocr_junia.canvas"
+    pil = render_formula(FORMULAS[0])
+    torch.testing.assert_close(adapter.preprocess(pil), junia.preprocess(pil))
+    assert adapter.vocabulary(str(folder)) == junia.vocabulary("package")[:junia.vocab_size] or \
+        len(adapter.vocabulary(str(folder))) == junia.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.encode(images), hf.encoder(pixel_values=images).last_hidden_state)
+    text = adapter.generate(images[:2], 10, use_cache=True).texts
+    assert text == [adapter.decode_text(t) for t in adapter.generate(images[:2], 10).token_ids]

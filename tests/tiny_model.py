@@ -12,7 +12,7 @@ FORMULAS = ["x^2", "a+b", "\\frac{a}{b}", "\\alpha_i", "y=mx+c", "\\sqrt{x}", "e
             "m+n", "\\lambda x", "q^2-1", "f(x)", "\\sin x", "\\cos y", "u+v"]
 
 
-def build_tiny(encoder_layers: int = 2, seed: int = 0):
+def build_tiny(encoder_layers: int = 2, seed: int = 0, d_model: int = 32):
     from latex_ocr_junia.model import ModelConfig
     from latex_ocr_junia.tokenizer import LatexTokenizer
 
@@ -21,7 +21,7 @@ def build_tiny(encoder_layers: int = 2, seed: int = 0):
 
     tok_path = package_assets() / "tokenizer.json"
     tok = LatexTokenizer.load(tok_path)
-    config = ModelConfig(image_height=32, image_width=64, patch_size=8, d_model=32, num_heads=4,
+    config = ModelConfig(image_height=32, image_width=64, patch_size=8, d_model=d_model, num_heads=4,
                          num_encoder_layers=encoder_layers, num_decoder_layers=1, mlp_dim=64, dropout=0.0,
                          max_length=64, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id)
     torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """Adapter for Hugging Face ``VisionEncoderDecoderModel``s read from a local folder (TrOCR-style).
 
-Supported: a ViT or DeiT encoder (HF-style attention: separate q/k/v/o ``Linear``s, so heads are
+Supported: a ViT, DeiT or I-JEPA encoder (HF-style attention: separate q/k/v/o ``Linear``s, so heads are
 removed by slicing, :mod:`pipeline.adapters.hf_vit`) and a TrOCR (post-LN) or mBART (pre-LN, as in
 Donut and Nougat) decoder. The folder is ``save_pretrained``'s layout: ``config.json``,
 ``model.safetensors``, ``tokenizer.json`` (any HF ``tokenizers`` JSON) and
@@ -36,9 +36,9 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 PREPROCESSOR = "preprocessor_config.json"
 OWN = "formula_compress.json"  # what this pipeline changed (heads kept per encoder layer)
-ENCODERS = ("vit", "deit")
+ENCODERS = ("vit", "deit", "ijepa")  # ViT-style layers (I-JEPA: ViT without the CLS token)
 DECODERS = {"trocr": "post", "mbart": "pre"}  # where each decoder family puts its LayerNorms
-SUPPORTED = f"supported: a vision-encoder-decoder with a {' or '.join(ENCODERS)} encoder and a " \
+SUPPORTED = f"supported: a vision-encoder-decoder with a {', '.join(ENCODERS[:-1])} or {ENCODERS[-1]} encoder and a " \
             f"{' or '.join(DECODERS)} decoder, save_pretrained's layout with model.safetensors"
 
 
@@ -247,7 +247,8 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         self.model.config.save_pretrained(folder)
         save_model(self.model, str(folder / WEIGHTS), metadata={"family": self.family, "format": "pt"})
         for name in (TOKENIZER, PREPROCESSOR):
-            shutil.copyfile(self.folder / name, folder / name)
+            if (self.folder / name).resolve() != (folder / name).resolve():  # saved in place: already there
+                shutil.copyfile(self.folder / name, folder / name)
         (folder / OWN).write_text(json.dumps({"family": self.family, "encoder_heads": self.encoder_head_counts(),
                                               "preprocess": self._spec}, indent=2) + "\n")
 
