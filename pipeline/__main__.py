@@ -61,6 +61,7 @@ def run_stages(cfg: DictConfig, ctx=None) -> dict:
                 raise
             raise type(exc)(f"stage=all, stage {name}: {exc}") from None
     ctx = ctx if ctx is not None else StageContext(cfg)
+    ctx.check_model_source()  # a model folder the adapter cannot read fails here, before any stage's work
     results = {}
     for name in names:
         spec = STAGES[name]

@@ -214,6 +214,12 @@ class StageContext:
             return str(folder)
         return str(self.cfg.model.path) if self.cfg.model.path else "package"
 
+    def check_model_source(self) -> None:
+        """The original model's source checked by its adapter without loading the weights (a folder of
+        the wrong kind, remote code, a pickle checkpoint: one line before any stage starts)."""
+        if self.cfg.model.path:  # without it the original is the adapter's own (or a stage names a folder)
+            adapter_class(self.cfg.model.adapter).check_source(str(self.cfg.model.path))
+
     def load_model(self, ref: str = "original") -> ModelAdapter:
         adapter = load_adapter(self.cfg.model.adapter, self.model_source(ref),
                                trust_checkpoint=bool(self.cfg.model.trust_checkpoint))

@@ -1,5 +1,5 @@
 """Hugging Face VisionEncoderDecoder models (issue 41): tiny random models built from configs (ViT +
-TrOCR, DeiT + mBART, ViT + mBART), read through the adapter, pruned for real, saved and read back,
+TrOCR, DeiT + mBART, ViT + mBART, DeiT + GPT-2), read through the adapter, pruned for real, saved and read back,
 exported and decoded by the packages token for token as torch decodes them; unsupported models end
 in one line."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from conftest import run_cli
 
-PAIRS = [("vit", "trocr"), ("deit", "mbart"), ("vit", "mbart")]
+PAIRS = [("vit", "trocr"), ("deit", "mbart"), ("vit", "mbart"), ("deit", "gpt2")]
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +77,9 @@ def test_heads_are_removed_for_real_and_the_saved_model_reads_the_same(folders, 
         again.pool_encoder_keys({0: [2, 2]})
 
 
-@pytest.mark.parametrize("target", ["ort_cpu", "metax", "tensorrt"])
-def test_every_target_package_reads_token_for_token_as_torch(folders, tmp_path, target):
+@pytest.mark.parametrize("target,pair", [("ort_cpu", ("deit", "gpt2")), ("metax", ("deit", "mbart")),
+                                         ("tensorrt", ("vit", "trocr"))])
+def test_every_target_package_reads_token_for_token_as_torch(folders, tmp_path, target, pair):
     """The float package of each target (FP16 on metax: the same tokens on these images) decoded by the
     package runtime alone, against the adapter's KV-cached torch greedy."""
     from pipeline.adapters.base import load_adapter
@@ -87,7 +88,7 @@ def test_every_target_package_reads_token_for_token_as_torch(folders, tmp_path, 
     from pipeline.export.targets import resolve_target, target_config
     from pipeline.data.render import render_formula
 
-    adapter = load_adapter("hf_vision_encoder_decoder", str(folders[("deit", "mbart")]))
+    adapter = load_adapter("hf_vision_encoder_decoder", str(folders[pair]))
     tgt = resolve_target(target_config(target))
     built = build_graphs(adapter, tgt, simplify=True, qdq_encoder=None, progress=lambda *_: None)
     assert not built.violations
@@ -122,11 +123,11 @@ def test_unsupported_models_end_in_one_line_saying_what_is_supported(folders, tm
     good = json.loads((folders[("vit", "trocr")] / "config.json").read_text())
     swin = {**good, "encoder": {**good["encoder"], "model_type": "swin"}}
     remote = {**good, "auto_map": {"AutoModel": "modeling_mine.Mine"}}
-    gpt = {**good, "decoder": {**good["decoder"], "model_type": "gpt2"}}
+    bert = {**good, "decoder": {**good["decoder"], "model_type": "bert"}}
     cases = {
         "swin encoder": (_write(tmp_path / "swin", swin), "unsupported model"),
         "remote code": (_write(tmp_path / "remote", remote), "remote code is never run"),
-        "gpt2 decoder": (_write(tmp_path / "gpt2", gpt), "unsupported model"),
+        "bert decoder": (_write(tmp_path / "bert", bert), "unsupported model"),
         "pickle only": (_write(tmp_path / "pickle", good, weights="pytorch_model.bin"), "pickle checkpoint"),
         "not a model": (_write(tmp_path / "other", {"model_type": "bert"}), "unsupported model"),
     }
@@ -134,7 +135,7 @@ def test_unsupported_models_end_in_one_line_saying_what_is_supported(folders, tm
         with pytest.raises(PipelineError) as err:
             load_adapter("hf_vision_encoder_decoder", str(folder))
         text = str(err.value)
-        assert says in text and "supported: a vision-encoder-decoder with a vit, deit or ijepa encoder" in text, what
+        assert says in text and "supported: a vision-encoder-decoder with a vit, deit or ijepa encoder and a trocr, mbart or gpt2 decoder" in text, what
         assert "\n" not in text, what
     with pytest.raises(PipelineError, match="set model.path"):
         load_adapter("hf_vision_encoder_decoder", "package")

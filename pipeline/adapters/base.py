@@ -100,6 +100,11 @@ class ModelAdapter(abc.ABC):
     def load(cls, source: str, trust_checkpoint: bool = False) -> "ModelAdapter":
         """``source``: ``"package"`` for the shipped weights, or a folder written by :meth:`save`."""
 
+    @classmethod
+    def check_source(cls, source: str) -> None:
+        """Raise ``PipelineError`` (one line) when :meth:`load` could not read ``source``, without reading
+        the weights: what the command line checks before any stage runs. Default: nothing to check."""
+
     @abc.abstractmethod
     def save(self, folder: Path) -> None:
         """Write safetensors weights plus a JSON config that :meth:`load` reads back."""

@@ -37,9 +37,10 @@ TOKENIZER = "tokenizer.json"
 PREPROCESSOR = "preprocessor_config.json"
 OWN = "formula_compress.json"  # what this pipeline changed (heads kept per encoder layer)
 ENCODERS = ("vit", "deit", "ijepa")  # ViT-style layers (I-JEPA: ViT without the CLS token)
-DECODERS = {"trocr": "post", "mbart": "pre"}  # where each decoder family puts its LayerNorms
+DECODERS = {"trocr": "post", "mbart": "pre", "gpt2": "gpt2"}  # each family's layout (where its LayerNorms are)
 SUPPORTED = f"supported: a vision-encoder-decoder with a {', '.join(ENCODERS[:-1])} or {ENCODERS[-1]} encoder and a " \
-            f"{' or '.join(DECODERS)} decoder, save_pretrained's layout with model.safetensors"
+            f"{', '.join(list(DECODERS)[:-1])} or {list(DECODERS)[-1]} decoder (with cross-attention), " \
+            "save_pretrained's layout with model.safetensors"
 
 
 def _read_config(folder: Path) -> dict:
@@ -70,6 +71,8 @@ def check_folder(folder: Path) -> dict:
     dec = (config.get("decoder") or {}).get("model_type")
     if kind != "vision-encoder-decoder" or enc not in ENCODERS or dec not in DECODERS:
         raise PipelineError(f"{folder}: unsupported model ({kind}: {enc} encoder, {dec} decoder); {SUPPORTED}")
+    if dec == "gpt2" and not config["decoder"].get("add_cross_attention"):
+        raise PipelineError(f"{folder}: its gpt2 decoder has no cross-attention (add_cross_attention); {SUPPORTED}")
     if not (folder / WEIGHTS).is_file():
         pickled = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
         why = f"only a pickle checkpoint ({pickled[0]}), which could run code when read" if pickled else "no weights"
@@ -176,6 +179,69 @@ class HfCachedDecoder(nn.Module):
         return self.head(x).float(), present
 
 
+class Gpt2CachedDecoder(nn.Module):
+    """A GPT-2 decoder with cross-attention (``add_cross_attention``: ``c_attn`` Conv1Ds, q/k/v fused)
+    with its KV cache as plain tensors (:class:`pipeline.adapters.base.CachedDecoder`)."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.body = lm.transformer
+        self.head = lm.lm_head
+        self.layers = self.body.h
+        first = self.layers[0].attn
+        if first.scale_attn_by_inverse_layer_idx or first.reorder_and_upcast_attn or not first.scale_attn_weights:
+            raise PipelineError("GPT-2 decoders with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or "
+                                "unscaled attention are not supported")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @staticmethod
+    def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.reshape(b, n, attn.num_heads, attn.head_dim).transpose(1, 2)
+
+    def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for layer in self.layers:
+            a = layer.crossattention
+            k, v = a.c_attn(memory).split(a.split_size, dim=2)
+            out += [self._heads(k, a), self._heads(v, a)]
+        return out
+
+    def _attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                offset: int | torch.Tensor | None) -> torch.Tensor:
+        b, n = q.shape[0], q.shape[1]
+        q = self._heads(q, attn)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(attn.head_dim))
+        if offset is not None:
+            qpos = torch.arange(q.shape[2], device=q.device)[:, None] + offset
+            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > qpos, float("-inf"))
+        ctx = torch.matmul(F.softmax(scores, dim=-1), v)
+        return attn.c_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
+
+    def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
+            every: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        offset = past[0].shape[2] if past else 0
+        positions = torch.arange(tokens.shape[1], device=tokens.device) + offset
+        x = self.body.wte(tokens) + self.body.wpe(positions)[None]
+        present = []
+        for i, layer in enumerate(self.layers):
+            a = layer.attn
+            q, k, v = a.c_attn(layer.ln_1(x)).split(a.split_size, dim=2)
+            k, v = self._heads(k, a), self._heads(v, a)
+            if past:
+                k, v = torch.cat([past[2 * i], k], dim=2), torch.cat([past[2 * i + 1], v], dim=2)
+            present += [k, v]
+            x = x + self._attend(a, q, k, v, offset if causal else None)
+            c = layer.crossattention
+            x = x + self._attend(c, c.q_attn(layer.ln_cross_attn(x)), cross[2 * i], cross[2 * i + 1], None)
+            x = x + layer.mlp(layer.ln_2(x))
+        x = self.body.ln_f(x if every else x[:, -1])
+        return self.head(x).float(), present
+
+
 @register_adapter("hf_vision_encoder_decoder")
 class HfVisionEncoderDecoderAdapter(ModelAdapter):
     def __init__(self, model: nn.Module, folder: Path, config: dict):
@@ -210,9 +276,7 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
     def load(cls, source: str, trust_checkpoint: bool = False) -> "HfVisionEncoderDecoderAdapter":
         from transformers import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
 
-        if source in ("package", "", None):
-            raise PipelineError("model.adapter=hf_vision_encoder_decoder reads a local folder: set model.path "
-                                "to a save_pretrained folder")
+        cls.check_source(source)
         folder = Path(source)
         config = check_folder(folder)
         own = folder / OWN
@@ -251,6 +315,13 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
                 shutil.copyfile(self.folder / name, folder / name)
         (folder / OWN).write_text(json.dumps({"family": self.family, "encoder_heads": self.encoder_head_counts(),
                                               "preprocess": self._spec}, indent=2) + "\n")
+
+    @classmethod
+    def check_source(cls, source: str) -> None:
+        if source in ("package", "", None):
+            raise PipelineError("model.adapter=hf_vision_encoder_decoder reads a local folder: set model.path "
+                                "to a save_pretrained folder")
+        check_folder(Path(source))
 
     @classmethod
     def text_tokenizer(cls, source: str):
@@ -321,10 +392,13 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         return [*(proj.parameters() if proj is not None else []), *self.model.decoder.parameters()]
 
     def vocabulary_parameters(self) -> list[nn.Parameter]:
-        return list(dict.fromkeys([self.model.decoder.model.decoder.embed_tokens.weight,
+        return list(dict.fromkeys([self.model.decoder.get_input_embeddings().weight,
                                    *self.model.decoder.get_output_embeddings().parameters()]))
 
     def cross_attention_parameters(self) -> list[nn.Parameter]:
+        if DECODERS[self.model.config.decoder.model_type] == "gpt2":
+            return [p for layer in self.model.decoder.transformer.h
+                    for p in (*layer.ln_cross_attn.parameters(), *layer.crossattention.parameters())]
         return [p for layer in self.model.decoder.model.decoder.layers
                 for p in (*layer.encoder_attn_layer_norm.parameters(), *layer.encoder_attn.parameters())]
 
@@ -339,8 +413,11 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
                                  use_cache=False)
         return out.logits.float()
 
-    def cached_decoder(self) -> HfCachedDecoder:
-        return HfCachedDecoder(self.model.decoder, DECODERS[self.model.config.decoder.model_type]).eval()
+    def cached_decoder(self) -> nn.Module:
+        layout = DECODERS[self.model.config.decoder.model_type]
+        if layout == "gpt2":
+            return Gpt2CachedDecoder(self.model.decoder).eval()
+        return HfCachedDecoder(self.model.decoder, layout).eval()
 
     # ---- structure ------------------------------------------------------------------------------
     def encoder_head_counts(self) -> list[int]:
@@ -385,7 +462,13 @@ def tiny_model(folder: Path, encoder: str = "vit", decoder: str = "trocr", seed:
                   image_size=list(image_size), patch_size=8, num_channels=channels)
     common = dict(vocab_size=len(table), pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
                   max_position_embeddings=256)
-    if decoder == "trocr":
+    if decoder == "gpt2":
+        from transformers import GPT2Config
+
+        dec = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=256, add_cross_attention=True,
+                         is_decoder=True, tie_word_embeddings=False,
+                         **{k: v for k, v in common.items() if k != "max_position_embeddings"})
+    elif decoder == "trocr":
         dec = TrOCRConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, **common)
     else:
         dec = MBartConfig(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64,
