@@ -15,8 +15,9 @@ from pipeline.errors import PipelineError
 from pipeline.export import tensorrt as trt_build
 from pipeline.adapters.kv_cache import CachedDecoder
 from pipeline.export.graphs import DecoderFirstGraph, DecoderStepGraph
-from pipeline.export.onnx_graphs import export_graphs, to_fp16
+from pipeline.export.onnx_graphs import export_graphs
 from pipeline.export.targets import resolve_target
+from pipeline.export.transforms import to_fp16
 from pipeline.export.validator import FLOAT_ONLY_OPS, Rules, validate
 
 BOS, EOS = 1, 2

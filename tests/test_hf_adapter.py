@@ -83,7 +83,8 @@ def test_every_target_package_reads_token_for_token_as_torch(folders, tmp_path, 
     """The float package of each target (FP16 on metax: the same tokens on these images) decoded by the
     package runtime alone, against the adapter's KV-cached torch greedy."""
     from pipeline.adapters.base import load_adapter
-    from pipeline.export.package import build_graphs, write_package
+    from pipeline.export.build import build_graphs
+    from pipeline.export.package import write_package
     from pipeline.export.runtime import OnnxPackage
     from pipeline.export.targets import resolve_target, target_config
     from pipeline.data.render import render_formula

@@ -61,8 +61,8 @@ def int8_package(float_package, corpus, tmp_path_factory) -> Path:
 
     from conftest import make_ctx
     from pipeline.adapters import load_adapter
-    from pipeline.export.onnx_graphs import simplify
-    from pipeline.export.package import exported_graphs
+    from pipeline.export.build import exported_graphs
+    from pipeline.export.transforms import simplify
     from pipeline.quantization import qdq
     from pipeline.quantization.groups import find_groups
 

@@ -412,12 +412,13 @@ def test_plan_round_trip_and_validation(tmp_path):
 
 
 def test_attention_fusion_keeps_the_encoder_output(tmp_path):
-    from pipeline.export import onnx_graphs as og
+    from pipeline.export.onnx_graphs import export_graphs
+    from pipeline.export.transforms import simplify
     from pipeline.export.fusion import fuse_attention
     from pipeline.quantization.groups import find_groups
 
     adapter = build_tiny()
-    encoder = og.simplify(og.export_graphs(adapter, 17)["encoder"], "encoder")
+    encoder = simplify(export_graphs(adapter, 17)["encoder"], "encoder")
     fused = onnx.ModelProto.FromString(encoder.SerializeToString())
     assert fuse_attention(fused) == 2  # two encoder layers
     assert sum(n.op_type == "MultiHeadAttention" for n in fused.graph.node) == 2
@@ -439,12 +440,13 @@ def test_attention_fusion_with_pooled_keys_keeps_the_encoder_output():
     fused graph computes the torch model's encoder."""
     import torch
 
-    from pipeline.export import onnx_graphs as og
+    from pipeline.export.onnx_graphs import export_graphs
+    from pipeline.export.transforms import simplify
     from pipeline.export.fusion import fuse_attention
 
     adapter = build_tiny()
     adapter.pool_encoder_keys({0: [1, 2]})
-    encoder = og.simplify(og.export_graphs(adapter, 17)["encoder"], "encoder")
+    encoder = simplify(export_graphs(adapter, 17)["encoder"], "encoder")
     assert any(n.op_type == "ReduceMean" for n in encoder.graph.node)
     fused = onnx.ModelProto.FromString(encoder.SerializeToString())
     assert fuse_attention(fused) == 2
@@ -583,13 +585,14 @@ def test_export_quantized_from_a_missing_folder_is_an_error(root):
 
 
 def test_cached_attention_fusion_keeps_the_decoder_step_outputs():
-    from pipeline.export import onnx_graphs as og
-    from pipeline.export.package import decoder_shapes
+    from pipeline.export.onnx_graphs import export_graphs
+    from pipeline.export.transforms import simplify
+    from pipeline.export.build import decoder_shapes
     from pipeline.export.fusion import fuse_cached_attention
 
     adapter = build_tiny()
     shapes = decoder_shapes(adapter)
-    step = og.simplify(og.export_graphs(adapter, 17)["decoder_step"], "decoder_step")
+    step = simplify(export_graphs(adapter, 17)["decoder_step"], "decoder_step")
     fused = onnx.ModelProto.FromString(step.SerializeToString())
     assert fuse_cached_attention(fused) == 2  # one decoder layer: self (over the cache) + cross
     assert not any(n.op_type in ("Softmax", "Concat") for n in fused.graph.node)
@@ -633,7 +636,7 @@ def test_the_chain_hands_prune_model_to_quantize(tmp_path):
 
 def test_a_pruned_model_with_uneven_heads_exports_fused_for_ort_cpu():
     """Layers with different head counts: the optimizer reads heads from the graph (it asserted before)."""
-    from pipeline.export.package import build_graphs
+    from pipeline.export.build import build_graphs
     from pipeline.quantization.graphs import ort_cpu_target
 
     adapter = build_tiny()

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import onnx
 
-from pipeline.export import onnx_graphs as og
-from pipeline.export.package import build_graphs, decoder_shapes, exported_graphs, write_package
+from pipeline.export import transforms
+from pipeline.export.build import build_graphs, decoder_shapes, exported_graphs
+from pipeline.export.package import write_package
 from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import resolve_target, target_config
 
@@ -50,7 +51,7 @@ def float_graphs(adapter, workdir: Path, max_length: int, model_key: str, thread
     package_dir = workdir / "float-package"
     package_dir.mkdir()
     write_package(package_dir, adapter, built, target, max_length)
-    std = og.simplify(exported_graphs(adapter, OPSET, model_key)["encoder"], "encoder")
+    std = transforms.simplify(exported_graphs(adapter, OPSET, model_key)["encoder"], "encoder")
     std_path = workdir / "encoder.std.onnx"
     onnx.save(std, str(std_path))
     shapes = decoder_shapes(adapter)

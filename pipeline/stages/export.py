@@ -28,7 +28,8 @@ from pipeline.names import (FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS_BY_TARGET
 from pipeline.export import drafter as spec
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
-from pipeline.export.package import build_graphs, write_package
+from pipeline.export.build import build_graphs
+from pipeline.export.package import write_package
 from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
@@ -400,7 +401,7 @@ def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, fail
 
 
 def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
-    from pipeline.export.onnx_graphs import has_qdq
+    from pipeline.export.transforms import has_qdq
 
     shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length)
     lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
