@@ -219,25 +219,3 @@ def test_the_default_models_weights_map_onto_hf_classes_and_the_folder_reads_bac
         torch.testing.assert_close(adapter.encode(images), hf.encoder(pixel_values=images).last_hidden_state)
     text = adapter.generate(images[:2], 10, use_cache=True).texts
     assert text == [adapter.decode_text(t) for t in adapter.generate(images[:2], 10).token_ids]
-
-
-def test_the_encoder_computes_the_hf_encoder_in_the_form_onnx_runtime_fuses(folders):
-    """``encode`` recomputes the ViT-family encoder from its modules (bit for bit HF's forward, pruned or
-    not) so that export's graph fuses each layer's attention (HF's eager attention reshapes with -1 heads)."""
-    import collections
-
-    from pipeline.adapters.base import load_adapter
-    from pipeline.export.build import build_graphs
-    from pipeline.export.targets import resolve_target, target_config
-
-    for pair in (("vit", "trocr"), ("deit", "gpt2")):
-        adapter = load_adapter("hf_vision_encoder_decoder", str(folders[pair]))
-        adapter.remove_encoder_heads({1: [0, 3]})
-        images = torch.rand(2, *adapter.input_shape)
-        with torch.no_grad():
-            torch.testing.assert_close(adapter.encode(images),
-                                       adapter.model.encoder(pixel_values=images).last_hidden_state, atol=0, rtol=0)
-    built = build_graphs(adapter, resolve_target(target_config("ort_cpu")), simplify=True, qdq_encoder=None,
-                         progress=lambda *_: None)
-    ops = collections.Counter(n.op_type for n in built.models["encoder"].graph.node)
-    assert ops["Attention"] + ops["MultiHeadAttention"] == 2 and ops["Softmax"] == 0, ops

@@ -404,14 +404,7 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """The ViT-family encoder's function recomputed from its modules (:func:`_vit_attention`: the
-        form ONNX Runtime fuses into MultiHeadAttention), then the encoder-to-decoder projection if any."""
-        enc = self.model.encoder
-        x = enc.embeddings(images.to(self.device).to(enc.embeddings.patch_embeddings.projection.weight.dtype))
-        for layer in enc.layers:
-            x = x + _vit_attention(layer.attention, layer.layernorm_before(x))
-            x = x + layer.mlp(layer.layernorm_after(x))
-        memory = enc.layernorm(x)
+        memory = self.model.encoder(pixel_values=images.to(self.device)).last_hidden_state
         proj = getattr(self.model, "enc_to_dec_proj", None)
         return proj(memory) if proj is not None else memory
 
@@ -438,22 +431,6 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         for layer, remove in heads.items():
             if remove:
                 remove_hf_heads(attns[int(layer)], list(remove))
-
-
-def _vit_attention(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A ViT / DeiT / I-JEPA self-attention (q/k/v/o ``Linear``s, heads possibly removed) on ``x``, as
-    :class:`~pipeline.adapters.attention.ExplicitAttention` computes it: HF's eager attention reshapes
-    with -1 heads from runtime shapes, which ORT's fusion does not take."""
-    heads, d = num_heads(attn), int(attn.head_dim)
-    if heads == 0:  # every head removed: the output projection's bias alone
-        return attn.o_proj.bias.expand_as(x) if attn.o_proj.bias is not None else torch.zeros_like(x)
-    b, n, _ = x.shape
-    q = attn.q_proj(x).view(b, n, heads, d).transpose(1, 2)
-    k = attn.k_proj(x).view(b, n, heads, d).transpose(1, 2)
-    v = attn.v_proj(x).view(b, n, heads, d).transpose(1, 2)
-    probs = F.softmax(torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d)), dim=-1)
-    ctx = torch.matmul(probs, v)
-    return attn.o_proj(ctx.transpose(1, 2).reshape(b, n, heads * d))
 
 
 def _encoder_attentions(model: nn.Module) -> list[nn.Module]:
