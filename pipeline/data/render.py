@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterable, Optional
 import numpy as np
 from PIL import Image
 
+from pipeline import interrupts
+
 FONTSET = "cm"
 PX_PER_EM = 32
 INK_THRESHOLD = 250  # a pixel darker than this (of 255) is ink
@@ -83,6 +85,9 @@ def render_inputs(pairs: Iterable[tuple[str, str]], preprocess: Callable[[Image.
         try:
             image = render_formula(latex)
         except RenderError:
+            # a signal matplotlib swallowed (its KeyboardInterrupt caught inside mathtext) fails every render
+            # after it: the run was interrupted, not the formulas unrenderable
+            interrupts.check(f"while rendering {desc}")
             skipped.append(str(fid))
             continue
         items.append((fid, latex, preprocess(image)))
