@@ -10,6 +10,7 @@ from typing import Iterable
 from tokenizers import Tokenizer
 
 from pipeline.errors import SchemaError
+from pipeline.tokenization.hf import framed_ids
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3, as in the model's char vocabulary
 
 
@@ -57,13 +58,7 @@ class BpeTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids, self.eos_id]
-        if max_length is not None:
-            if max_length < 2:
-                raise ValueError("max_length must be at least 2")
-            ids = ids[:max_length]
-            ids[-1] = self.eos_id
-        return ids
+        return framed_ids(self.tokenizer, text, self.bos_id, self.eos_id, max_length)
 
     def decode(self, ids: Iterable[int]) -> str:
         out = []

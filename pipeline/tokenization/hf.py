@@ -11,6 +11,18 @@ from tokenizers import Tokenizer
 from pipeline.errors import SchemaError
 
 
+def framed_ids(tokenizer: Tokenizer, text: str, bos_id: int, eos_id: int, max_length: int | None = None) -> list[int]:
+    """BOS + ``tokenizer``'s ids for ``text`` (its own specials left out) + EOS, cut to ``max_length``
+    with EOS kept last: the target sequence a decoder is trained and teacher-forced on."""
+    ids = [bos_id, *tokenizer.encode(text, add_special_tokens=False).ids, eos_id]
+    if max_length is not None:
+        if max_length < 2:
+            raise ValueError("max_length must be at least 2")
+        ids = ids[:max_length]
+        ids[-1] = eos_id
+    return ids
+
+
 class HfTokenizer:
     """``encode(text)`` -> BOS + ids + EOS; ``decode(ids)`` stops at the first EOS, drops special
     tokens and joins the rest as the tokenizer's own decoder does (byte-level BPE: plain text)."""
@@ -44,13 +56,7 @@ class HfTokenizer:
         return [self.tokenizer.id_to_token(i) or "" for i in range(self.vocab_size)]
 
     def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = [self.bos_id, *self.tokenizer.encode(text, add_special_tokens=False).ids, self.eos_id]
-        if max_length is not None:
-            if max_length < 2:
-                raise ValueError("max_length must be at least 2")
-            ids = ids[:max_length]
-            ids[-1] = self.eos_id
-        return ids
+        return framed_ids(self.tokenizer, text, self.bos_id, self.eos_id, max_length)
 
     def decode(self, ids: Iterable[int]) -> str:
         out = []
