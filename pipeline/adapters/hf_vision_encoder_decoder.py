@@ -29,6 +29,7 @@ from torch import nn
 from pipeline.adapters.attention import num_heads
 from pipeline.adapters.base import ModelAdapter, register_adapter
 from pipeline.adapters.hf_vit import remove_hf_heads
+from pipeline.adapters.kv_cache import attend, merge_heads, split_heads
 from pipeline.errors import PipelineError
 
 CONFIG = "config.json"
@@ -114,8 +115,8 @@ class HfCachedDecoder(nn.Module):
 
     @staticmethod
     def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
-        b, n, _ = x.shape  # the head count spelled out: ORT's attention fusion reads it off the reshape
-        return x.reshape(b, n, attn.num_heads, attn.head_dim).transpose(1, 2)
+        # the head count spelled out: ORT's attention fusion reads it off the reshape
+        return split_heads(x, attn.num_heads, attn.head_dim)
 
     def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
         out = []
@@ -126,15 +127,8 @@ class HfCachedDecoder(nn.Module):
 
     def _attend(self, attn: nn.Module, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 offset: int | torch.Tensor | None) -> torch.Tensor:
-        q = self._heads(attn.q_proj(x), attn)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(attn.head_dim))
-        if offset is not None:
-            t, s = q.shape[2], k.shape[2]
-            qpos = torch.arange(t, device=q.device)[:, None] + offset
-            scores = scores.masked_fill(torch.arange(s, device=q.device)[None, :] > qpos, float("-inf"))
-        ctx = torch.matmul(F.softmax(scores, dim=-1), v)
-        b, n = x.shape[0], x.shape[1]
-        return attn.out_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
+        ctx = attend(self._heads(attn.q_proj(x), attn), k, v, offset, attn.head_dim)
+        return attn.out_proj(merge_heads(ctx, x, attn.num_heads, attn.head_dim))
 
     def _embed(self, tokens: torch.Tensor, offset: int | torch.Tensor) -> torch.Tensor:
         d = self.decoder
@@ -199,8 +193,7 @@ class Gpt2CachedDecoder(nn.Module):
 
     @staticmethod
     def _heads(x: torch.Tensor, attn: nn.Module) -> torch.Tensor:
-        b, n, _ = x.shape
-        return x.reshape(b, n, attn.num_heads, attn.head_dim).transpose(1, 2)
+        return split_heads(x, attn.num_heads, attn.head_dim)
 
     def cross_kv(self, memory: torch.Tensor) -> list[torch.Tensor]:
         out = []
@@ -212,14 +205,8 @@ class Gpt2CachedDecoder(nn.Module):
 
     def _attend(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 offset: int | torch.Tensor | None) -> torch.Tensor:
-        b, n = q.shape[0], q.shape[1]
-        q = self._heads(q, attn)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(attn.head_dim))
-        if offset is not None:
-            qpos = torch.arange(q.shape[2], device=q.device)[:, None] + offset
-            scores = scores.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > qpos, float("-inf"))
-        ctx = torch.matmul(F.softmax(scores, dim=-1), v)
-        return attn.c_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
+        ctx = attend(self._heads(q, attn), k, v, offset, attn.head_dim)
+        return attn.c_proj(merge_heads(ctx, q, attn.num_heads, attn.head_dim))
 
     def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
             every: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -17,29 +17,40 @@ from torch import nn
 import torch.nn.functional as F
 
 
-def _heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     b, n, _ = x.shape
     return x.reshape(b, n, num_heads, head_dim).transpose(1, 2)  # [B, H, N, d]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | torch.Tensor | None,
+           head_dim: int) -> torch.Tensor:
+    """softmax(q kᵀ / √d) v on heads split out ([B, H, T, d] / [B, H, S, d]): the attention every cached
+    decoder (this one, the HF adapter's) exports. ``causal_offset``: query i sits at absolute position
+    offset + i and reads keys 0 .. offset + i; None: every key."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
+    if causal_offset is not None:
+        t, s = q.shape[2], k.shape[2]
+        qpos = torch.arange(t, device=q.device)[:, None] + causal_offset
+        kpos = torch.arange(s, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1), v)
+
+
+def merge_heads(ctx: torch.Tensor, like: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """[B, H, T, d] -> [B, T, H·d] with the sizes taken from the block's input ``like``, not from ctx: in
+    an exported graph ctx then feeds the head merge alone, the pattern ORT's MultiHeadAttention fusion
+    takes (pipeline/export/fusion.py)."""
+    b, n = like.shape[0], like.shape[1]  # read before the transpose: the graph keeps its node order
+    return ctx.transpose(1, 2).reshape(b, n, num_heads * head_dim)
 
 
 def _attend(attn: nn.Module, q_in: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             causal_offset: int | torch.Tensor | None) -> torch.Tensor:
     """``attn`` (an ExplicitAttention) applied with K/V already projected and split into heads."""
-    q = _heads(attn.q_proj(q_in), attn.num_heads, attn.head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(attn.head_dim))
-    if causal_offset is not None:
-        # query i (absolute position offset+i) may read keys 0 .. offset+i
-        t, s = q.shape[2], k.shape[2]
-        qpos = torch.arange(t, device=q.device)[:, None] + causal_offset
-        kpos = torch.arange(s, device=q.device)[None, :]
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
-    ctx = torch.matmul(F.softmax(scores, dim=-1), v)
+    ctx = attend(split_heads(attn.q_proj(q_in), attn.num_heads, attn.head_dim), k, v, causal_offset, attn.head_dim)
     if attn.head_mask is not None:
         ctx = ctx * attn.head_mask.view(1, -1, 1, 1)
-    # the sizes from the block's input, not from ctx: in an exported graph ctx then feeds the head merge
-    # alone, the pattern ORT's MultiHeadAttention fusion takes (pipeline/export/fusion.py)
-    b, n = q_in.shape[0], q_in.shape[1]
-    return attn.out_proj(ctx.transpose(1, 2).reshape(b, n, attn.num_heads * attn.head_dim))
+    return attn.out_proj(merge_heads(ctx, q_in, attn.num_heads, attn.head_dim))
 
 
 class CachedDecoder(nn.Module):
@@ -59,7 +70,7 @@ class CachedDecoder(nn.Module):
         out = []
         for blk in self.blocks:
             a = blk.cross_attn
-            out += [_heads(a.k_proj(memory), a.num_heads, a.head_dim), _heads(a.v_proj(memory), a.num_heads, a.head_dim)]
+            out += [split_heads(a.k_proj(memory), a.num_heads, a.head_dim), split_heads(a.v_proj(memory), a.num_heads, a.head_dim)]
         return out
 
     def run(self, tokens: torch.Tensor, past: list[torch.Tensor], cross: list[torch.Tensor], causal: bool,
@@ -77,8 +88,8 @@ class CachedDecoder(nn.Module):
         for i, blk in enumerate(self.blocks):
             a = blk.self_attn
             h = blk.self_norm(x)
-            k = _heads(a.k_proj(h), a.num_heads, a.head_dim)
-            v = _heads(a.v_proj(h), a.num_heads, a.head_dim)
+            k = split_heads(a.k_proj(h), a.num_heads, a.head_dim)
+            v = split_heads(a.v_proj(h), a.num_heads, a.head_dim)
             if past:
                 k = torch.cat([past[2 * i], k], dim=2)
                 v = torch.cat([past[2 * i + 1], v], dim=2)
