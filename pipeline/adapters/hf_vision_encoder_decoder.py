@@ -263,9 +263,8 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
     def load(cls, source: str, trust_checkpoint: bool = False) -> "HfVisionEncoderDecoderAdapter":
         from transformers import VisionEncoderDecoderConfig, VisionEncoderDecoderModel
 
-        cls.check_source(source)
+        config = cls._config(source)
         folder = Path(source)
-        config = check_folder(folder)
         own = folder / OWN
         try:
             if own.is_file():  # a model this pipeline saved: build, cut the heads it cut, then load
@@ -304,19 +303,22 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
                                               "preprocess": self._spec}, indent=2) + "\n")
 
     @classmethod
-    def check_source(cls, source: str) -> None:
+    def _config(cls, source: str) -> dict:
+        """The config of the folder ``source`` names, once it is one this adapter reads."""
         if source in ("package", "", None):
             raise PipelineError("model.adapter=hf_vision_encoder_decoder reads a local folder: set model.path "
                                 "to a save_pretrained folder")
-        check_folder(Path(source))
+        return check_folder(Path(source))
+
+    @classmethod
+    def check_source(cls, source: str) -> None:
+        cls._config(source)
 
     @classmethod
     def text_tokenizer(cls, source: str):
         from pipeline.tokenization.hf import HfTokenizer
 
-        folder = Path(source)
-        config = check_folder(folder)
-        return HfTokenizer(folder / TOKENIZER, *special_ids(config))
+        return HfTokenizer(Path(source) / TOKENIZER, *special_ids(cls._config(source)))
 
     @classmethod
     def vocabulary(cls, source: str) -> list[str]:

@@ -197,13 +197,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _train_canvases(junia, artifacts: Path, n: int) -> torch.Tensor:
-    from pipeline.data.render import render_formula
+    """The first ``n`` train-split formulas of the corpus under ``artifacts`` (built there when missing,
+    as any stage does), rendered and preprocessed the way junia was trained."""
+    from pipeline.context import StageContext
+    from pipeline.data.render import render_inputs
 
-    formulas = [json.loads(line) for line in (artifacts / "corpus" / "formulas.jsonl").read_text().splitlines()]
-    train = [f["latex"] for f in formulas if f.get("split") == "train"][:n]
-    if not train:
-        raise PipelineError(f"no train-split formulas under {artifacts / 'corpus'}: run a stage that builds the corpus")
-    return torch.stack([junia.preprocess(render_formula(t)) for t in train])
+    train = [(f.id, f.latex) for f in StageContext.compose(artifacts.resolve()).corpus() if f.split == "train"]
+    images = [x for _, _, x in render_inputs(train, junia.preprocess, limit=n, desc="distillation formulas")]
+    if not images:
+        raise PipelineError(f"no renderable train-split formulas in the corpus under {artifacts}")
+    return torch.stack(images)
 
 
 if __name__ == "__main__":
