@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -179,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--images", type=int, default=512, help="train-split formulas rendered for distillation")
     parser.add_argument("--corpus", type=Path, default=Path("artifacts"), help="artifacts.dir holding the corpus")
     args = parser.parse_args(argv)
+    if args.out.exists():
+        raise PipelineError(f"{args.out} exists: give a new folder")
     torch.manual_seed(0)
     junia = load_adapter("latex_ocr_junia", "package")
     c, h, w = junia.input_shape
@@ -192,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"step {s}/{args.steps} loss {l:.5f} ({time.time() - t0:.0f} s)", flush=True) if s % 20 == 0 else None)
         recipe.update(distill_images=len(images), first_loss=losses[0], last_loss=losses[-1],
                       distill_seconds=round(time.time() - t0, 1))
-    write_folder(hf, junia, args.out, recipe)
+    tmp = args.out.with_name(f".tmp-{args.out.name}")  # the folder appears whole or not at all
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_folder(hf, junia, tmp, recipe)
+    tmp.rename(args.out)
     print(json.dumps(recipe))
 
 
@@ -210,4 +216,7 @@ def _train_canvases(junia, artifacts: Path, n: int) -> torch.Tensor:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except PipelineError as exc:
+        raise SystemExit(f"error: {exc}") from None
