@@ -87,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-counts", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--self-lookups", type=int, nargs="+", default=[0],
                     help="the ngram drafter's self_lookup settings (0: off; n: the reading's own contexts of n+ tokens)")
+    ap.add_argument("--min-confidences", type=float, nargs="+", default=[0.0],
+                    help="the ngram drafter's min_confidence settings (0: drafts of k tokens whenever it can)")
     ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8])
     ap.add_argument("--check", nargs="*", default=[], help="splits the best setting of each kind is checked on")
     ap.add_argument("--check-limit", type=int, default=None, help="formulas per checked split (default: all)")
@@ -119,9 +121,10 @@ def main(argv=None) -> int:
     cost = widths_cost(package, max(args.draft_lens) + 1)
     print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
     vocab = package._vocab()
-    drafters = {f"ngram order {o} min {m}" + (f" self {s}" if s else ""):
-                drafting.NgramDrafter.build(readings["train"], package.bos, o, m, s)
-                for o in args.orders for m in args.min_counts for s in args.self_lookups if s <= o}
+    drafters = {f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else ""):
+                drafting.NgramDrafter.build(readings["train"], package.bos, o, m, s, c)
+                for o in args.orders for m in args.min_counts for s in args.self_lookups if s <= o
+                for c in args.min_confidences}
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
     def judge(drafter, k: int, split: str) -> dict:

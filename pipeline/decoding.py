@@ -152,28 +152,30 @@ class SpeculativeStats:
                 "acceptance": round(self.accepted / max(1, self.drafted), 3)}
 
 
-class FixedWidthVerify:
-    """A verify graph of fixed width (batch 1, ``width`` tokens) as the loop's ``verify``: fewer tokens are
-    padded with the last one (a padded position reads only what precedes it, so the real positions'
-    logits are unchanged; its logits and K/V are never used: the loop cuts the cache to the tokens
-    written). A lone token (the drafter proposed nothing) goes to ``step``, the cheaper graph for one;
-    where a padded call would run past the decoder's position table (``max_positions``), the tokens
-    go one ``step`` call each too."""
+class VerifyCalls:
+    """A verify graph (batch 1, up to ``width`` tokens) as the loop's ``verify``. A lone token (the
+    drafter proposed nothing) goes to ``step``, the cheaper graph for one; so do tokens a call would
+    carry past the decoder's position table (``max_positions``), one ``step`` call each. ``fixed``: the
+    graph's width is fixed (packages exported before the width was dynamic): fewer tokens are padded
+    with the last one (a padded position reads only what precedes it, so the real positions' logits are
+    unchanged; its logits and K/V are never used: the loop cuts the cache to the tokens written)."""
 
-    def __init__(self, run: Callable, step: Callable, width: int, max_positions: int):
+    def __init__(self, run: Callable, step: Callable, width: int, max_positions: int, fixed: bool = False):
         self.run, self.step, self.width, self.max_positions = run, step, int(width), int(max_positions)
+        self.fixed = bool(fixed)
 
     def __call__(self, ids: np.ndarray, past: list, cross: list):
         n = ids.shape[1]
         if n > self.width:
             raise ValueError(f"{n} tokens for a verify graph of width {self.width}")
-        if n == 1 or past[0].shape[2] + self.width > self.max_positions:
+        fed_n = self.width if self.fixed else n
+        if n == 1 or past[0].shape[2] + fed_n > self.max_positions:
             rows = []
             for t in range(n):
                 logits, past = self.step(ids[:, t:t + 1], past, cross)
                 rows.append(logits)
             return np.stack(rows, axis=1), past
-        fed = np.concatenate([ids, np.repeat(ids[:, -1:], self.width - n, axis=1)], axis=1) if n < self.width else ids
+        fed = np.concatenate([ids, np.repeat(ids[:, -1:], fed_n - n, axis=1)], axis=1) if n < fed_n else ids
         logits, present = self.run(fed, past, cross)
         return logits[:, :n], present
 

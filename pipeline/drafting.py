@@ -8,10 +8,12 @@ built by stage export from artifacts the chain already makes (never from the eva
 
 - ``ngram``: what the model itself writes after the last ``n`` tokens, counted over its own greedy
   readings of train formulas (the display wrapper, the rest of ``\\frac{``, closing braces ...);
-  the longest context seen at least ``min_count`` times decides, and the proposal chains. With
-  ``self_lookup`` n, the reading itself is a table too: where the last n or more tokens were written
-  before in this reading, what followed them then (the longest context wins; at equal length the
-  reading's own).
+  the longest context seen at least ``min_count`` times decides, and the proposal chains. Each context
+  keeps the share of its continuations its token had; with ``min_confidence`` c the chain stops before
+  the product of those shares falls below c (a call checks the drafts likely to pass, and a shorter call
+  costs less). With ``self_lookup`` n, the reading itself is a table too: where the last n or more
+  tokens were written before in this reading, what followed them then (the longest context wins; at
+  equal length the reading's own; its share counts as 1).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
   the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
 
@@ -31,27 +33,34 @@ FORMAT = "formula-compress drafter v1"
 
 
 class NgramDrafter:
-    """Next token by the longest matching context of up to ``order`` tokens, chained ``k`` times."""
+    """Next token by the longest matching context of up to ``order`` tokens, chained up to ``k`` times
+    while the chain's confidence (the product of the contexts' shares) stays at ``min_confidence`` or above."""
 
     kind = "ngram"
 
-    def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0):
+    def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0,
+                 shares: dict[tuple[int, ...], float] | None = None, min_confidence: float = 0.0):
         if order < 1:
             raise ValueError(f"the n-gram order must be at least 1, got {order}")
         if self_lookup < 0 or self_lookup > order:
             raise ValueError(f"self_lookup must be 0 (off) or 1..order ({order}), got {self_lookup}")
+        if not 0.0 <= min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
         self.order = int(order)
         self.table = table
+        self.shares = shares or {}  # a context missing: share 1
         self.self_lookup = int(self_lookup)
+        self.min_confidence = float(min_confidence)
         self._local = threading.local()  # per thread (a served package reads requests in threads): the reading
         # the own table was built from, and its contexts -> the token that followed them last
 
     @classmethod
     def build(cls, readings: Iterable[Sequence[int]], bos: int, order: int = 8, min_count: int = 2,
-              self_lookup: int = 0) -> "NgramDrafter":
+              self_lookup: int = 0, min_confidence: float = 0.0) -> "NgramDrafter":
         """From token sequences as the model writes them (no BOS; EOS kept so the drafter proposes
         the end too): for each context of 1..``order`` tokens (BOS included) seen ``min_count`` times
-        or more, its most frequent next token (ties: the smaller id)."""
+        or more, its most frequent next token (ties: the smaller id) and that token's share of what
+        followed the context (3 decimals)."""
         if min_count < 1:
             raise ValueError(f"min_count must be at least 1, got {min_count}")
         counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
@@ -60,12 +69,13 @@ class NgramDrafter:
             for i in range(1, len(seq)):
                 for n in range(1, min(order, i) + 1):
                     counts[tuple(seq[i - n:i])][seq[i]] += 1
-        table = {}
+        table, shares = {}, {}
         for ctx, c in counts.items():
             tok, count = min(c.items(), key=lambda kv: (-kv[1], kv[0]))
             if count >= min_count:
                 table[ctx] = tok
-        return cls(order, table, self_lookup)
+                shares[ctx] = round(count / sum(c.values()), 3)
+        return cls(order, table, self_lookup, shares, min_confidence)
 
     def _own_table(self, ids: list[int]) -> dict[tuple[int, ...], int]:
         """Contexts of ``self_lookup``..``order`` tokens in ``ids`` -> the token that followed them last;
@@ -83,29 +93,38 @@ class NgramDrafter:
         own = self._own_table(list(ids)) if self.self_lookup else {}
         work = list(ids[-self.order:])
         out: list[int] = []
+        confidence = 1.0
         while len(out) < k:
-            nxt = None
+            nxt, share = None, 1.0
             for n in range(min(self.order, len(work)), 0, -1):
                 context = tuple(work[-n:])
                 nxt = own.get(context) if n >= self.self_lookup else None
                 if nxt is None:
                     nxt = self.table.get(context)
+                    share = self.shares.get(context, 1.0)
                 if nxt is not None:
                     break
-            if nxt is None:
+            if nxt is None or confidence * share < self.min_confidence:
                 break
+            confidence *= share
             out.append(nxt)
             work.append(nxt)
         return out
 
     def to_json(self) -> dict:
-        return {"order": self.order, "self_lookup": self.self_lookup,
-                "table": {" ".join(map(str, k)): v for k, v in sorted(self.table.items())}}
+        """The table as ``"context ids": [token, share]`` (drafters from before the shares: ``token``)."""
+        return {"order": self.order, "self_lookup": self.self_lookup, "min_confidence": self.min_confidence,
+                "table": {" ".join(map(str, k)): [v, self.shares.get(k, 1.0)] for k, v in sorted(self.table.items())}}
 
     @classmethod
     def from_json(cls, data: dict, **_) -> "NgramDrafter":
-        return cls(int(data["order"]), {tuple(int(t) for t in k.split()): int(v) for k, v in data["table"].items()},
-                   int(data.get("self_lookup", 0)))
+        table, shares = {}, {}
+        for key, value in data["table"].items():
+            ctx = tuple(int(t) for t in key.split())
+            token, share = (value, 1.0) if isinstance(value, int) else value
+            table[ctx], shares[ctx] = int(token), float(share)
+        return cls(int(data["order"]), table, int(data.get("self_lookup", 0)), shares,
+                   float(data.get("min_confidence", 0.0)))
 
 
 class BpeDrafter:

@@ -127,8 +127,10 @@ class Package:
             return outs[0], outs[1:]
 
         width = self.sessions["verify"].get_inputs()[0].shape[-1]
+        fixed = isinstance(width, int)  # dynamic: up to package.json's verify_width tokens a call
         positions = int(self.meta.get("max_positions", self.meta["max_length"]))
-        verify = decoding.FixedWidthVerify(run, self.step, width, positions)
+        verify = decoding.VerifyCalls(run, self.step, width if fixed else int(self.meta["verify_width"]), positions,
+                                      fixed)
 
         guard = self.layout_guard(vocab) if self.layout_run_cap else None
         return decoding.speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,

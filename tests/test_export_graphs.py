@@ -124,13 +124,13 @@ def test_onnx_graphs_dynamic_axes_equal_recompute(tiny_model, tiny_adapter):
         o = sess["decoder_step"].run(None, dict(zip(names, [tokens[:, t:t + 1].numpy(), *past, *cross])))
         np.testing.assert_allclose(o[0], full[:, t], rtol=1e-4, atol=1e-4)
         past = o[1:]
-    # the verify graph (batch 1, VERIFY_WIDTH tokens): after a past of any length, logits after each token
-    # equal single steps'; fewer tokens padded (FixedWidthVerify), their logits unchanged
-    from pipeline.decoding import FixedWidthVerify
+    # the verify graph (batch 1, 1..VERIFY_WIDTH tokens): after a past of any length, logits after each
+    # token equal single steps' (a lone token: the step graph, VerifyCalls)
+    from pipeline.decoding import VerifyCalls
     from pipeline.export.graphs import VERIFY_WIDTH
 
     vnames = [i.name for i in sess["decoder_verify"].get_inputs()]
-    assert vnames == names and sess["decoder_verify"].get_inputs()[0].shape == [1, VERIFY_WIDTH]
+    assert vnames == names and sess["decoder_verify"].get_inputs()[0].shape == [1, "width"]
 
     def run(ids, past, cross):
         o = sess["decoder_verify"].run(None, dict(zip(vnames, [ids, *past, *cross])))
@@ -146,11 +146,11 @@ def test_onnx_graphs_dynamic_axes_equal_recompute(tiny_model, tiny_adapter):
     for row in range(3):
         for cut, width in ((1, 1), (1, 4), (3, VERIFY_WIDTH), (5, 3)):
             o = sess["decoder_first"].run(None, {"input_ids": long[row:row + 1, :cut].numpy(), "memory": memory[row:row + 1]})
-            verify = FixedWidthVerify(run, step, VERIFY_WIDTH, 40)
+            verify = VerifyCalls(run, step, VERIFY_WIDTH, 40)
             lo, present = verify(long[row:row + 1, cut:cut + width].numpy(), o[1:1 + n], o[1 + n:])
             assert lo.shape == (1, width, ref.shape[-1])
             np.testing.assert_allclose(lo[0], ref[row, cut:cut + width], rtol=1e-4, atol=1e-4)
-            assert all(p.shape[2] == cut + (1 if width == 1 else VERIFY_WIDTH) for p in present)
+            assert all(p.shape[2] == cut + width for p in present)  # exactly the tokens checked
     # FP16 weights: still loadable with float32 I/O, close to float
     m16 = to_fp16(graphs["decoder_step"])
     assert any(t.data_type == TensorProto.FLOAT16 for t in m16.graph.initializer)
@@ -254,9 +254,9 @@ def test_tensorrt_profiles_and_trtexec_command():
     cmd = trt_build.trtexec_command("decoder_step.onnx", "decoder_step.plan", p["decoder_step"], int8=True)
     assert cmd.startswith("trtexec --onnx=decoder_step.onnx --saveEngine=decoder_step.plan --fp16 --int8 ")
     assert "--maxShapes=input_ids:16x1,past_key_0:16x8x159x32," in cmd
-    # a package with a verify graph: batch 1 and its fixed width
+    # a package with a verify graph: batch 1, 1..verify_width tokens
     v = trt_build.profiles({**META, "graphs": {"decoder_verify": "decoder_verify.onnx"}, "verify_width": 9}, 16, 48)
-    assert v["decoder_verify"]["input_ids"] == ((1, 9),) * 3
+    assert v["decoder_verify"]["input_ids"] == ((1, 1), (1, 9), (1, 9))
     assert v["decoder_verify"]["past_key_0"] == ((1, 8, 1, 32), (1, 8, 48, 32), (1, 8, 159, 32))
     assert "--timingCacheFile=timing.cache" in cmd
 

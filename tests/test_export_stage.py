@@ -69,6 +69,34 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     got, want = fast.generate(images, MAX_LENGTH, batch_size=1), plain.generate(images, MAX_LENGTH, batch_size=1)
     assert got.token_ids == want.token_ids
     assert sum(got.calls) < sum(want.calls) == sum(len(t) for t in want.token_ids)
+    assert s["max_tie_margin"] == 0.0 and s["tie_margins"] == []
+
+
+def test_a_reading_that_leaves_greedy_at_a_confident_token_is_told_from_a_near_tie(ort_pkg):
+    """export's check of speculative readings: where a reading first differs from the package's greedy
+    one, the step logits' margin between the two tokens (a near-tie flip: small; a broken loop: wide)."""
+    from pipeline.data.render import render_formula
+    from pipeline.export.drafter import tie_margin
+    from pipeline.export.runtime import OnnxPackage
+
+    package = OnnxPackage(ort_pkg, threads=1, speculative=False)
+    image = package.preprocess(render_formula(r"\frac{a+b}{c}")).astype(np.float32)
+    greedy = package.generate(image[None], MAX_LENGTH, batch_size=1).token_ids[0]
+    assert tie_margin(package, image, greedy, greedy) == 0.0
+    # the logits after BOS + greedy[:2]: the runner-up and the least likely token instead of greedy's third
+    logits, past, cross = package.first(np.full((1, 1), package.bos, np.int64), package.encode(image[None]))
+    for tok in greedy[:2]:
+        logits, past = package.step(np.full((1, 1), tok, np.int64), past, cross)
+    row = logits[0].copy()
+    row[package.banned] = np.nan
+    order = [int(i) for i in np.argsort(-np.nan_to_num(row, nan=-np.inf)) if not np.isnan(row[i])]
+    assert order[0] == greedy[2]
+    near = tie_margin(package, image, greedy, [*greedy[:2], order[1], *greedy[3:]])
+    wide = tie_margin(package, image, greedy, [*greedy[:2], order[-1]])
+    assert near == pytest.approx(float(row[order[0]] - row[order[1]]), abs=1e-5)
+    assert wide == pytest.approx(float(row[order[0]] - row[order[-1]]), abs=1e-5) and wide > near and wide > 1.0
+    # a reading that stops early (EOS where greedy went on): measured at that position too
+    assert tie_margin(package, image, greedy, greedy[:2]) > 0.0
 
 
 def test_same_config_reuses_the_package(ort_pkg):

@@ -153,6 +153,31 @@ def test_ngram_self_lookup_proposes_what_followed_the_same_tokens_earlier_in_the
         drafting.NgramDrafter.build([[3]], BOS, order=2, self_lookup=3)
 
 
+def test_ngram_min_confidence_cuts_the_draft_where_the_chain_grows_unsure(tmp_path):
+    # after BOS: 3 (4 of 4 readings), then 4 (3 of 4), then 5 (2 of 3 after 3 4), then EOS (always)
+    readings = [[3, 4, 5, EOS], [3, 4, 5, EOS], [3, 4, 6, EOS], [3, 7, EOS]]
+    sure = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1)
+    assert sure.shares[(BOS,)] == 1.0 and sure.shares[(BOS, 3)] == 0.75 and sure.shares[(BOS, 3, 4)] == 0.667
+    assert sure.propose([BOS], 4) == [3, 4, 5, EOS]                   # 0: the whole chain
+    for confidence, want in ((0.5, [3, 4, 5, EOS]), (0.7, [3, 4]), (0.8, [3]), (1.0, [3])):
+        d = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1, min_confidence=confidence)
+        assert d.propose([BOS], 4) == want, confidence                # 1 x 0.75 x 0.667 = 0.5 (x 1 for EOS)
+    d = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1, min_confidence=0.8)
+    assert d.propose([BOS, 3], 4) == []                               # the first draft already below: none
+    drafting.save(d, tmp_path / "drafter.json", 4, {})
+    back, _ = drafting.load(tmp_path / "drafter.json")
+    assert back.min_confidence == 0.8 and back.shares == d.shares and back.propose([BOS], 4) == [3]
+    # a drafter.json from before the shares (the table maps to tokens): every share 1
+    data = json.loads((tmp_path / "drafter.json").read_text())
+    data["table"] = {k: v[0] for k, v in data["table"].items()}
+    del data["min_confidence"]
+    (tmp_path / "drafter.json").write_text(json.dumps(data))
+    old, _ = drafting.load(tmp_path / "drafter.json")
+    assert old.propose([BOS], 4) == [3, 4, 5, EOS] and old.min_confidence == 0.0
+    with pytest.raises(ValueError, match="min_confidence"):
+        drafting.NgramDrafter.build(readings, BOS, order=3, min_confidence=1.5)
+
+
 def test_bpe_drafter_completes_a_piece():
     texts = ["", "", ""] + list("\\frac{}ab")
     d = drafting.BpeDrafter.build(["\\frac{", "ab", "\\f"], texts)
@@ -174,12 +199,13 @@ def test_a_broken_drafter_file_is_one_clear_error(tmp_path, payload, needle):
         drafting.load(tmp_path / "drafter.json")
 
 
+@pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("positions", [12, 40])
-def test_a_fixed_width_verify_pads_and_steps_near_the_position_table(positions):
-    """Drafts shorter than the graph's width are padded (the padded positions' logits unused, their K/V
-    cut); where a padded call would pass the position table, the tokens go one step each, and so does
-    a lone token (nothing drafted)."""
-    from pipeline.decoding import FixedWidthVerify
+def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions, fixed):
+    """A call reads the last token and the drafts (a graph of fixed width, from older packages: padded to it,
+    the padded positions' logits unused, their K/V cut); where a call would pass the position table, the
+    tokens go one step each, and so does a lone token (nothing drafted)."""
+    from pipeline.decoding import VerifyCalls
 
     toy = ToyDecoder(5)
     widths = []
@@ -198,13 +224,23 @@ def test_a_fixed_width_verify_pads_and_steps_near_the_position_table(positions):
 
     want = toy.greedy(30)
     for propose in (oracle(want), noisy(1)):
-        widths.clear()
-        verify = FixedWidthVerify(run, step, 4, positions)
-        got = speculative_greedy(toy.first, verify, propose, BOS, EOS, [PAD, BOS], 30, 3)
+        widths.clear(), steps.clear()
+        fed = []
+
+        def counted(ids, k, propose=propose):
+            out = propose(ids, k)
+            fed.append(1 + len(out))
+            return out
+
+        verify = VerifyCalls(run, step, 4, positions, fixed)
+        got = speculative_greedy(toy.first, verify, counted, BOS, EOS, [PAD, BOS], 30, 3)
         assert got == want
-        assert set(widths) == {4}
+        if positions == 40:  # the table never in the way: a call of two or more tokens is one verify call
+            assert widths == ([4] * len(widths) if fixed else [n for n in fed if n > 1])
+    with pytest.raises(ValueError, match="5 tokens for a verify graph of width 4"):
+        VerifyCalls(run, step, 4, positions, fixed)(np.ones((1, 5), np.int64), *toy.first(np.ones((1, 1), np.int64))[1:])
     widths.clear(), steps.clear()
-    got = speculative_greedy(toy.first, FixedWidthVerify(run, step, 4, positions), lambda ids, k: [], BOS, EOS,
+    got = speculative_greedy(toy.first, VerifyCalls(run, step, 4, positions, fixed), lambda ids, k: [], BOS, EOS,
                              [PAD, BOS], 30, 3)
     assert got == want and widths == [] and steps == [1] * (len(want) - 1)  # nothing drafted: plain steps
 

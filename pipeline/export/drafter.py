@@ -34,10 +34,10 @@ def token_texts(package: OnnxPackage) -> list[str]:
 
 
 def build(kind: str, package: OnnxPackage, readings: Sequence[Sequence[int]] | None, order: int, min_count: int,
-          pieces: Sequence[str] | None, self_lookup: int = 0):
+          pieces: Sequence[str] | None, self_lookup: int = 0, min_confidence: float = 0.0):
     if kind == "ngram":
         return drafting.NgramDrafter.build(readings or [], package.bos, order=order, min_count=min_count,
-                                           self_lookup=self_lookup)
+                                           self_lookup=self_lookup, min_confidence=min_confidence)
     if kind == "bpe":
         return drafting.BpeDrafter.build(pieces or [], token_texts(package))
     raise PipelineError(f"export.drafter: unknown {kind!r}; known: {', '.join(KINDS)}")
@@ -58,10 +58,30 @@ def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def tie_margin(package: OnnxPackage, image: np.ndarray, greedy_ids: Sequence[int], other_ids: Sequence[int]) -> float:
+    """Where ``other_ids`` first leaves the package's greedy reading ``greedy_ids`` of ``image``: how far
+    apart the package's own step logits there put greedy's token and the other one (0: a tie). A
+    speculative reading may leave greedy's only at a near-tie (the verify graph rounds unlike the step,
+    docs/export.md); a wide margin there is a broken verify graph, cache or drafter loop."""
+    at = next((i for i, (a, b) in enumerate(zip(greedy_ids, other_ids)) if a != b), None)
+    if at is None:  # one is a prefix of the other: the shorter one stopped where the longer went on
+        at = min(len(greedy_ids), len(other_ids))
+        if at >= max(len(greedy_ids), len(other_ids)):
+            return 0.0
+    mine = [*greedy_ids, package.eos][at]
+    theirs = [*other_ids, package.eos][at]
+    logits, past, cross = package.first(np.full((1, 1), package.bos, dtype=np.int64), package.encode(image[None]))
+    for tok in greedy_ids[:at]:
+        logits, past = package.step(np.full((1, 1), tok, dtype=np.int64), past, cross)
+    row = logits[0]
+    return float(abs(row[mine] - row[theirs]))
+
+
 def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], max_length: int, threads: int
           ) -> dict:
     """The package's speculative readings of ``images`` (batch 1) against its plain greedy ones: the
-    share identical (must be 1), decoder calls and tokens per reading, accepted drafts per call."""
+    share identical, and for each reading that differs the step logits' margin where it first leaves
+    greedy's (:func:`tie_margin`); decoder calls and tokens per reading, accepted drafts per call."""
     package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
     if not package.speculative:
         raise PipelineError(f"package {folder}: no drafter to check")
@@ -69,7 +89,10 @@ def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], 
     got = package.generate(images, max_length=max_length, batch_size=1)
     same = [list(a) == list(b) for a, b in zip(got.token_ids, plain_ids)]
     stats = package.spec_stats.as_dict()
+    differing = [i for i, s in enumerate(same) if not s]
+    margins = [round(tie_margin(package, images[i], plain_ids[i], got.token_ids[i]), 4) for i in differing]
     return {"n": len(same), "identical": float(np.mean(same)) if same else 1.0,
-            "differing": [i for i, s in enumerate(same) if not s], "seconds": round(time.perf_counter() - started, 1),
+            "differing": differing, "tie_margins": margins, "max_tie_margin": max(margins, default=0.0),
+            "seconds": round(time.perf_counter() - started, 1),
             **{k: stats[k] for k in ("calls_per_reading", "tokens_per_reading", "tokens_per_call",
                                      "accepted_per_verify", "acceptance")}}

@@ -51,10 +51,10 @@ class DecoderStepGraph(nn.Module):
         return (logits, *present)
 
 
-# tokens a decoder_verify call reads: the last written token and up to VERIFY_WIDTH - 1 drafts. The width
-# and the batch (1) are fixed in the graph, so every shape but the past's length folds to a constant
-# (a dynamic width left ~120 shape nodes that cost a width-1 call 45 % more than a step); shorter drafts
-# are padded, the padded positions' logits and K/V never used (pipeline/decoding.py: FixedWidthVerify)
+# tokens a decoder_verify call reads at most: the last written token and up to VERIFY_WIDTH - 1 drafts
+# (package.json: verify_width). The batch (1) is fixed in the graph, the width is not: a call reads
+# exactly the tokens it checks, and on this CPU a call costs about a step plus 0.15 ms a token more
+# (docs/export.md), so a short draft pays where a padded 9-wide call would not
 VERIFY_WIDTH = 9
 
 

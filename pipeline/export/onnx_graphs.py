@@ -69,8 +69,9 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
     step_ids = torch.tensor([[9], [10]], dtype=torch.long)
     graphs["decoder_step"] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io["decoder_step"], dyn, opset)
-    # batch 1 and VERIFY_WIDTH tokens, fixed: only the past's length (and the memory's) stay dynamic
+    # batch 1, fixed; the width (tokens checked, at most VERIFY_WIDTH), the past's length and the memory's dynamic
     dyn = {k: {2: "past_len"} for k in n["past"]}
+    dyn.update({"input_ids": {1: "width"}, "logits": {1: "width"}})
     dyn.update({k: {2: "total_len"} for k in n["present"]})
     dyn.update({k: {2: "mem_len"} for k in n["cross"]})
     verify_ids = (torch.arange(VERIFY_WIDTH, dtype=torch.long) % 7 + 4)[None]

@@ -11,6 +11,7 @@ import onnx
 
 from pipeline.errors import PipelineError
 from pipeline.export.build import BuiltGraphs, decoder_shapes
+from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export.onnx_graphs import graph_io
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
 from pipeline.export.targets import Target
@@ -37,9 +38,8 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "bos_id": adapter.bos_id, "eos_id": adapter.eos_id, "pad_id": adapter.pad_id,
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
         "max_positions": adapter.max_positions or int(max_length),  # the decoder position table
-        # tokens a decoder_verify call reads (batch 1; speculative decoding, pipeline/decoding.py)
-        **({"verify_width": int(built.models["decoder_verify"].graph.input[0].type.tensor_type.shape.dim[1].dim_value)}
-           if "decoder_verify" in built.models else {}),
+        # tokens a decoder_verify call reads at most (batch 1; speculative decoding, pipeline/decoding.py)
+        **({"verify_width": VERIFY_WIDTH} if "decoder_verify" in built.models else {}),
         **shapes,
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py; 0 = none)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import FixedWidthVerify, LayoutGuard, SpeculativeStats, greedy, speculative_greedy
+from pipeline.decoding import LayoutGuard, SpeculativeStats, VerifyCalls, greedy, speculative_greedy
 from pipeline.errors import PipelineError
 from pipeline.preprocessing import preprocess
 from pipeline.schema import load_json
@@ -148,7 +148,7 @@ class OnnxPackage:
         # the decoder's position table; packages from before it was recorded: their export cap
         self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
         self.drafter, self.draft_len = None, 0
-        self._fixed: FixedWidthVerify | None = None
+        self._calls: VerifyCalls | None = None
         self.spec_stats = SpeculativeStats()
         if speculative and self.meta.get("drafter"):
             self.drafter, self.draft_len = self._load_drafter()
@@ -173,11 +173,15 @@ class OnnxPackage:
 
     @property
     def verify_width(self) -> int:
-        """Tokens a ``decoder_verify`` call reads (fixed in the graph)."""
+        """Tokens a ``decoder_verify`` call reads at most (``package.json: verify_width``; a graph of fixed
+        width, from before the width was dynamic: that width)."""
         width = self._verify_session().get_inputs()[0].shape[-1]
-        if not isinstance(width, int):
-            raise PipelineError(f"package {self.folder}: decoder_verify's width is not fixed ({width!r})")
-        return width
+        if isinstance(width, int):
+            return width
+        if not isinstance(self.meta.get("verify_width"), int) or self.meta["verify_width"] < 2:
+            raise PipelineError(f"package {self.folder}: decoder_verify's width is dynamic and package.json "
+                                f"has no verify_width (an integer >= 2): {self.meta.get('verify_width')!r}")
+        return int(self.meta["verify_width"])
 
     def _verify_session(self):
         if "decoder_verify" not in self.sessions:
@@ -228,11 +232,12 @@ class OnnxPackage:
 
     def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         """Up to ``verify_width`` tokens after ``past`` (batch 1) in one call: logits [1, T, V] after
-        each of the T, present grown by T or more (a padded call's extra K/V included, for the caller to cut;
-        a lone token goes to the step graph: :class:`FixedWidthVerify`)."""
-        if self._fixed is None:
-            self._fixed = FixedWidthVerify(self._verify_run, self.step, self.verify_width, self.max_positions)
-        return self._fixed(input_ids, past, cross)
+        each of the T, present grown by T (by the graph's width where that is fixed: the padded call's extra
+        K/V included, for the caller to cut; a lone token goes to the step graph: :class:`VerifyCalls`)."""
+        if self._calls is None:
+            fixed = isinstance(self._verify_session().get_inputs()[0].shape[-1], int)
+            self._calls = VerifyCalls(self._verify_run, self.step, self.verify_width, self.max_positions, fixed)
+        return self._calls(input_ids, past, cross)
 
     def _verify_run(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         names = self.io["decoder_verify"]["inputs"]

@@ -15,8 +15,8 @@ Shape = tuple[int, ...]
 def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tuple[Shape, Shape, Shape]]]:
     """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
     request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
-    ``decoder_verify`` at batch 1 and its fixed width (``meta['verify_width']``, which package.json holds
-    wherever the graph is)."""
+    ``decoder_verify`` at batch 1, 1..``meta['verify_width']`` tokens (package.json holds it wherever the
+    graph is; opt: the widest call)."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
@@ -39,8 +39,8 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
         else:
             out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
     if "decoder_verify" in meta.get("graphs", {}):
-        width = int(meta["verify_width"])  # fixed in the graph: batch 1, width tokens
-        out["decoder_verify"] = {"input_ids": ((1, width), (1, width), (1, width))}
+        width = int(meta["verify_width"])  # batch 1, up to width tokens
+        out["decoder_verify"] = {"input_ids": ((1, 1), (1, width), (1, width))}
         for name, shape in out["decoder_step"].items():
             if name != "input_ids":
                 out["decoder_verify"][name] = tuple((1, *s[1:]) for s in shape)  # batch 1 only

@@ -86,15 +86,21 @@ class ExportConfig:
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     draft_images: int = 256              # train formulas the package reads to build the ngram drafter
+    # the ngram settings: the least decoder time on calib (benchmarks/speculative.py, 2026-12-05: 256 train
+    # readings build it, 256 calib readings judge it; est. 1.61x less decoder time, 2.90x fewer calls)
     ngram_order: int = 12                # longest context (tokens) the ngram drafter keys on
-    ngram_min_count: int = 1             # a context must be seen this often to propose (12 / 1: the fewest
-                                         # decoder calls on calib, benchmarks/speculative.py, docs/export.md)
-    ngram_self_lookup: int = 0           # >0: the reading itself is a table too, contexts of this many tokens
+    ngram_min_count: int = 2             # a context must be seen this often to propose
+    ngram_self_lookup: int = 3           # >0: the reading itself is a table too, contexts of this many tokens
                                          # or more (0: off)
-    min_speculative_identical: float = 0.95  # share of the parity formulas whose speculative reading must equal the
-                                         # package's greedy one: the verify graph's kernels (9 rows) round unlike
-                                         # the step's (1 row), so an INT8 package's near-ties can flip (whole
-                                         # splits, 2026-12-04: 97.0 % eval, 95.5 % shift identical)
+    ngram_min_confidence: float = 0.7    # drafts stop before the product of their contexts' shares falls below
+                                         # this (0: up to draft_len always)
+    min_speculative_identical: float = 0.8   # share of the parity formulas whose speculative reading must equal the
+                                         # package's greedy one: the verify graph's attention (several rows)
+                                         # rounds unlike the step's (one row), so an INT8 package's near-ties can
+                                         # flip (whole splits, 2026-12-04: 97.0 % eval, 95.5 % shift identical)
+    speculative_tie_margin: float = 0.25  # ... and a reading that differs must first differ where the package's
+                                         # step logits put the two tokens within this (logits; the flips seen:
+                                         # 0.003-0.08): a wider one is a broken verify graph, cache or loop
 
 
 Config = ExportConfig
@@ -231,8 +237,12 @@ def validate(cfg: ExportConfig) -> None:
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):
         if int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.speculative_tie_margin < 0:
+        raise PipelineError(f"export.speculative_tie_margin must be >= 0, got {cfg.speculative_tie_margin}")
     if not 0.0 <= cfg.min_speculative_identical <= 1.0:
         raise PipelineError(f"export.min_speculative_identical must be in [0, 1], got {cfg.min_speculative_identical}")
+    if not 0.0 <= cfg.ngram_min_confidence <= 1.0:
+        raise PipelineError(f"export.ngram_min_confidence must be in [0, 1], got {cfg.ngram_min_confidence}")
     if not 0 <= cfg.ngram_self_lookup <= cfg.ngram_order:
         raise PipelineError(f"export.ngram_self_lookup must be 0 (off) or 1..export.ngram_order "
                             f"({cfg.ngram_order}), got {cfg.ngram_self_lookup}")
@@ -265,10 +275,10 @@ def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage
                            name)
         readings, read_by = drafts[key]
         drafter = spec.build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None,
-                             cfg.ngram_self_lookup)
+                             cfg.ngram_self_lookup, cfg.ngram_min_confidence)
         source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
                   "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "self_lookup": cfg.ngram_self_lookup,
-                  "contexts": len(drafter.table)}
+                  "min_confidence": cfg.ngram_min_confidence, "contexts": len(drafter.table)}
     spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
     return source
 
@@ -355,6 +365,10 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
                                 f"{speculative['identical']:.3f} of {speculative['n']} formulas < "
                                 f"export.min_speculative_identical={cfg.min_speculative_identical} "
                                 f"(export.drafter=none ships plain greedy)")
+            if speculative["max_tie_margin"] > cfg.speculative_tie_margin:
+                failures.append(f"speculative decoding: a reading leaves the package's greedy one where the step "
+                                f"logits put the two tokens {speculative['max_tie_margin']:.3f} apart > "
+                                f"export.speculative_tie_margin={cfg.speculative_tie_margin} (not a near-tie)")
         # engines only for a package that passed parity (a build takes minutes and ships what failed)
         engines = None
         if target.name == "tensorrt":
