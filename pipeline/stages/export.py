@@ -80,9 +80,10 @@ class ExportConfig:
     # speculative decoding (docs/export.md): the package's drafter, checked against its plain greedy readings
     drafter: str = "none"                # none: plain greedy (every package still holds decoder_verify) | ngram
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
-                                         # formula BPE). Off by default: on this CPU a 9-token verify call costs
-                                         # ~3.2x a step, so 2.4-2.9x fewer calls gave 1.08x / 0.88x decoder ms on the
-                                         # whole eval / shift splits (docs/export.md, "Speculative decoding")
+                                         # formula BPE). Off by default: on this CPU a verify call costs a step
+                                         # + ~0.15 ms a token, so 2.2-2.6x fewer calls gave 1.09x / 0.99x decoder
+                                         # ms on the whole eval / shift splits (2026-12-05; docs/export.md,
+                                         # "Speculative decoding")
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     draft_images: int = 256              # train formulas the package reads to build the ngram drafter
