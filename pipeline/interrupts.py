@@ -19,9 +19,20 @@ _received: list[int] = []   # signals seen by this process, in order
 _publishing = False         # inside a folder swap: the handler only records
 
 
+def _importing(frame) -> bool:
+    """Whether the signal landed inside an import: a native module's initialisation that calls back into
+    Python (pybind11 building its enums) cannot carry an exception out and aborts the process
+    ("terminate called ..."); there the handler only records, and the next :func:`check` raises."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _handler(signum, frame) -> None:
     _received.append(signum)
-    if not _publishing:
+    if not _publishing and not _importing(frame):
         raise KeyboardInterrupt
 
 

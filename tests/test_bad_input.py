@@ -198,6 +198,30 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
+def test_a_signal_inside_an_import_is_recorded_and_raised_after_it(tmp_path, monkeypatch):
+    """A native module's initialisation that calls back into Python cannot carry the KeyboardInterrupt out
+    (the process aborts: "terminate called ..."): inside an import the handler only records it, and the
+    next check ends the run as interrupted."""
+    from pipeline import interrupts
+    from pipeline.errors import Interrupted
+
+    (tmp_path / "signalled_during_import.py").write_text(
+        "import signal, sys\nfrom pipeline import interrupts\n"
+        "interrupts._handler(signal.SIGTERM, sys._getframe())\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    interrupts.reset()
+    try:
+        import signalled_during_import  # noqa: F401  (raises nothing: the import completes)
+        assert signalled_during_import.DONE and interrupts.received()
+        with pytest.raises(Interrupted, match="SIGTERM"):
+            interrupts.check()
+        with pytest.raises(KeyboardInterrupt):  # outside an import the handler raises at once
+            interrupts._handler(signal.SIGTERM, sys._getframe())
+    finally:
+        interrupts.reset()
+        sys.modules.pop("signalled_during_import", None)
+
+
 def test_an_interrupt_a_finalizer_swallowed_prints_no_traceback(monkeypatch, capsys):
     """The handler's KeyboardInterrupt raised inside a ``__del__`` (seen: tqdm's, during a SIGTERM test)
     cannot propagate; Python would print "Exception ignored in ..." and a traceback beside the run's
