@@ -121,10 +121,14 @@ def main(argv=None) -> int:
     cost = widths_cost(package, max(args.draft_lens) + 1)
     print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
     vocab = package._vocab()
-    drafters = {f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else ""):
-                drafting.NgramDrafter.build(readings["train"], package.bos, o, m, s, c)
-                for o in args.orders for m in args.min_counts for s in args.self_lookups if s <= o
-                for c in args.min_confidences}
+    drafters = {}
+    for o in args.orders:
+        for m in args.min_counts:
+            counted = drafting.NgramDrafter.build(readings["train"], package.bos, o, m)  # counted once per order, min
+            for s in (s for s in args.self_lookups if s <= o):
+                for c in args.min_confidences:
+                    name = f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else "")
+                    drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c)
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
     def judge(drafter, k: int, split: str) -> dict:
