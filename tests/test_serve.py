@@ -8,6 +8,7 @@ import http.client
 import importlib.util
 import io
 import json
+import select
 import socket
 import threading
 import time
@@ -148,6 +149,22 @@ def slow_client(server, sent: bytes) -> bytes:
         return sock.recv(65536)
 
 
+def chunked_over_limit(server, chunks: int = 24, size: int = 16384) -> bytes:
+    """A chunked body with no declared length, sent a chunk at a time until the server answers (it cuts the
+    body off once past serve.max_bytes and closes: a client still sending then meets a broken pipe)."""
+    with socket.create_connection((server.host, server.port), timeout=60) as sock:
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(chunks):
+            if select.select([sock], [], [], 0.05)[0]:
+                break
+            try:
+                sock.sendall(b"%x\r\n" % size + b"\0" * size + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        return sock.recv(65536)
+
+
 def test_hostile_requests_get_their_4xx_and_the_server_goes_on(server, images):
     whole = images[0]
     bomb = png(Image.new("1", (10_000, 10_000), 1))  # 100 megapixels in a few kB
@@ -166,8 +183,7 @@ def test_hostile_requests_get_their_4xx_and_the_server_goes_on(server, images):
         assert status == code, (name, status, body)
         assert words in json.loads(body)["error"], (name, body)
     # a body over the limit without a declared length (chunked) is cut off while it is read
-    status, _, body = request(server, "POST", "/predict", iter([b"\0" * 65536] * 5), {"Content-Type": "image/png"})
-    assert status == 413, body
+    assert chunked_over_limit(server).startswith(b"HTTP/1.1 413")
     assert slow_client(server, b"\x89PNG" + b"\0" * 96).startswith(b"HTTP/1.1 408")
     assert request(server, "GET", "/nowhere")[0] == 404 and request(server, "GET", "/predict")[0] == 405
     status, _, body = request(server, "GET", "/health")
