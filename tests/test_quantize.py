@@ -623,6 +623,14 @@ def test_ort_cpu_int8_decoders_are_handed_to_the_ort_cpu_package_only(root, sear
     assert ort_meta["precision"]["decoder_step"] == "int8 weights"
     trt_meta = json.loads((root / "dec-tensorrt" / "package.json").read_text())
     assert trt_meta["precision"]["decoder_step"] == "fp32"
+    # the cross-attention K/V projections were tried in dynamic INT8 and the plan says what held the budget
+    measured = json.loads((searched / "quantize.json").read_text())["search"]
+    check = measured["decoder_cross_kv_check"]
+    assert check["n"] >= 1 and measured["decoder_cross_kv_nodes"] == 2  # K and V of the tiny decoder's one layer
+    assert plan["decoder_cross_kv"] == ("int8" if check["loss"] <= plan["budget"] + 1e-9 else "float")
+    first = onnx.load(str(searched / "decoder_first.ort_cpu.int8.onnx"))
+    dynamic = sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in first.graph.node)
+    assert dynamic == (2 if plan["decoder_cross_kv"] == "int8" else 0)
 
 
 def test_the_chain_hands_prune_model_to_quantize(tmp_path):
@@ -673,6 +681,40 @@ def test_gemm_to_matmul_keeps_outputs(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_cross_kv_quantization_touches_only_the_named_nodes_and_keeps_their_outputs_close(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.quantization.decoder import cross_kv_nodes, quantize_cross_kv, weight_parts
+
+    rng = np.random.default_rng(0)
+    wq, wk, wv = (rng.standard_normal((16, 16)).astype(np.float32) * 0.2 for _ in range(3))
+
+    def graph(nodes, weights, outputs):
+        return helper.make_model(helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("memory", TensorProto.FLOAT, [1, 64, 16])],
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, [1, 64, 16]) for o in outputs],
+            [numpy_helper.from_array(w, n) for n, w in weights.items()]), opset_imports=[helper.make_opsetid("", 17)])
+
+    step = graph([helper.make_node("MatMul", ["memory", "wq"], ["q"], name="q_proj")], {"wq": wq}, ["q"])
+    first = graph([helper.make_node("MatMul", ["memory", "wq"], ["q"], name="q_proj"),
+                   helper.make_node("MatMul", ["memory", "wk"], ["k"], name="cross_k"),
+                   helper.make_node("MatMul", ["memory", "wv"], ["v"], name="cross_v")],
+                  {"wq": wq, "wk": wk, "wv": wv}, ["q", "k", "v"])
+    nodes = cross_kv_nodes(first, weight_parts(step, first))
+    assert nodes == ["cross_k", "cross_v"]  # the step's weight is not one of them
+    onnx.save(first, str(tmp_path / "first.onnx"))
+    quantize_cross_kv(tmp_path / "first.onnx", tmp_path / "q.onnx", nodes)
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    assert [n.name for n in q.graph.node if n.op_type == "MatMul"] == ["q_proj"]
+    assert sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in q.graph.node) == 2
+    x = {"memory": rng.standard_normal((1, 64, 16)).astype(np.float32)}
+    ref = ort.InferenceSession(first.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)
+    got = ort.InferenceSession(q.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, x)
+    np.testing.assert_array_equal(got[0], ref[0])  # untouched
+    for a, b in zip(got[1:], ref[1:]):
+        assert np.abs(a - b).max() < 0.05 * np.abs(b).max() and not np.array_equal(a, b)
+
+
 def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_graphs(root, searched, tmp_path):
     from pipeline.quantization.decoder import weight_nodes
 
@@ -682,6 +724,7 @@ def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_grap
     floated = nodes[0]
     plan["decoder"] = "int8"
     plan["decoder_nodes"] = {n: ("float" if n == floated else "int8") for n in nodes}
+    plan["decoder_cross_kv"] = "int8"
     path = tmp_path / "edited-decoder.json"
     path.write_text(json.dumps(plan))
     _run(root, f"quantize.plan={path}", "quantize.name=quantize-edited-decoder")
@@ -692,9 +735,11 @@ def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_grap
     assert list(weight_nodes(step)) == [floated]  # the one float MatMul with a constant weight left
     first = onnx.load(str(out / "decoder_first.ort_cpu.int8.onnx"))
     assert sum(n.op_type == "MatMulNBits" for n in first.graph.node) == len(nodes) - 1
-    # the same matrix stayed float there (beside the cross-attention K/V projections, which only
-    # decoder_first has and the plan leaves float)
-    assert set(weight_nodes(step).values()) <= set(weight_nodes(first).values())
+    # the same matrix stayed float there; the cross-attention K/V projections, which only
+    # decoder_first has, are dynamic INT8 as the plan says
+    assert set(weight_nodes(step).values()) == set(weight_nodes(first).values())
+    assert sum(n.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for n in first.graph.node) == 2
+    assert json.loads((out / "plan.json").read_text())["decoder_cross_kv"] == "int8"
     bad = dict(plan, decoder_nodes={"no-such-node": "int8"})
     path.write_text(json.dumps(bad))
     with pytest.raises(PipelineError, match="decoder node"):

@@ -17,7 +17,7 @@ from pipeline.errors import PipelineError
 from pipeline.names import INT8_DECODERS as DECODERS, QDQ_ENCODER_ORT
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.graphs import FloatGraphs
-from pipeline.quantization.measure import Reading, read, read_or_reject
+from pipeline.quantization.measure import Reading, loss_against, read, read_or_reject
 from pipeline.quantization.plan import Plan
 from pipeline.quantization.search import json_number, search_plan
 
@@ -27,11 +27,15 @@ log = logging.getLogger(__name__)
 def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, given: Optional[Plan],
                  images: np.ndarray, truths, rows: str, sens_images: np.ndarray, max_length: int, batch: int,
                  threads: int, workers: int, budget: float, chunk: int,
-                 progress: bool, base: Optional[Reading] = None) -> tuple[dict, list[dict], list[dict]]:
+                 progress: bool, base: Optional[Reading] = None, cross_kv: bool = True
+                 ) -> tuple[dict, list[dict], list[dict]]:
     """Rank the decoder-step weight matrices by the logit SNR each costs alone in 8 bits (recorded
     greedy step inputs), then return the most sensitive to float until the exact-match loss on the
     decoder search set, against the same package with the float decoder, is within the budget.
-    Writes the two INT8 decoder graphs when any node stays INT8; sets ``plan.decoder*``."""
+    ``cross_kv``: then also ``decoder_first``'s cross-attention K/V projections in dynamic INT8
+    (:func:`~pipeline.quantization.decoder.quantize_cross_kv`), kept where the budget still holds
+    (``given``: its ``decoder_cross_kv`` instead). Writes the INT8 decoder graphs when any node is
+    INT8; sets ``plan.decoder*``."""
     import onnxruntime as ort
 
     mm = {}
@@ -44,10 +48,15 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
     # the other decoder graphs' nodes -> the step's weights they hold (followed by every candidate plan)
     parts = {g: qdec.weight_parts(step_model, onnx.load(str(mm[g]))) for g in mm if g != "decoder_step"}
 
-    def made(int8_step: list[str], tag: str) -> dict[str, Path]:
+    cross_nodes = qdec.cross_kv_nodes(onnx.load(str(mm["decoder_first"])), parts["decoder_first"])
+
+    def made(int8_step: list[str], tag: str, cross: bool = False) -> dict[str, Path]:
         out = {"decoder_step": scratch / f"decoder_step.{tag}.onnx", "decoder_first": scratch / f"decoder_first.{tag}.onnx"}
         qdec.quantize(mm["decoder_step"], out["decoder_step"], int8_step)
-        qdec.quantize(mm["decoder_first"], out["decoder_first"], qdec.follow_plan(parts["decoder_first"], int8_step))
+        first = scratch / f"decoder_first.{tag}.nbits.onnx" if cross else out["decoder_first"]
+        qdec.quantize(mm["decoder_first"], first, qdec.follow_plan(parts["decoder_first"], int8_step))
+        if cross:
+            qdec.quantize_cross_kv(first, out["decoder_first"], cross_nodes)
         return out
 
     def reading(decoders: dict[str, Path], against: Optional[Reading] = None) -> Reading:
@@ -64,6 +73,9 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
     sens: list[dict] = []
     if given is not None:
         int8 = [n for n, p in given.decoder_nodes.items() if p == "int8"] if given.decoder_nodes else list(step_nodes)
+        if given.decoder_cross_kv == "int8" and not cross_nodes:
+            raise PipelineError("quantize.plan: decoder_cross_kv is int8 but this model's decoder_first has no "
+                                "cross-attention K/V projection of its own to quantize")
         unknown = sorted(set(given.decoder_nodes) - set(step_nodes))
         if unknown:
             raise PipelineError(f"quantize.plan: {len(unknown)} decoder node(s) not in this model's decoder_step "
@@ -85,7 +97,8 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
         searched = search_plan(order, lambda k: reading(made(order[k:], "search"), base), base, budget, progress,
                                counted="float_nodes", identical=True)
         int8 = order[searched.float_count:]
-    final = made(int8, "final")
+    cross = given.decoder_cross_kv if given is not None else "float"
+    final = made(int8, "final", cross == "int8")
     if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
         try:
             nodes = qdec.follow_plan(parts["decoder_verify"], int8)
@@ -96,12 +109,24 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
             qdec.quantize(mm["decoder_verify"], final["decoder_verify"], nodes)
     # the search read this very plan already
     r = (searched.readings.get(searched.float_count) if searched else None) or reading(final)
-    plan.decoder = "int8" if int8 else "float"
+    cross_check = None
+    if given is None and cross_kv and cross_nodes:
+        candidate = made(int8, "cross", True)
+        rc = reading(candidate, base)
+        loss = loss_against(rc, base)
+        cross_check = {"exact_match": rc.exact_match, "cer": rc.cer, "loss": loss, "n": len(rc.exact),
+                       "identical": rc.identical_to(base), **rc.paired(base)}
+        if len(rc.exact) == len(base.exact) and loss <= budget + 1e-9:
+            cross, r = "int8", rc
+            final.update(candidate)
+    plan.decoder = "int8" if int8 or cross == "int8" else "float"
     plan.decoder_nodes = {n: ("int8" if n in set(int8) else "float") for n in step_nodes}
-    if int8:
+    plan.decoder_cross_kv = cross
+    if plan.decoder == "int8":
         for g, path in final.items():
             shutil.copyfile(path, folder / DECODERS[g])
     return ({"decoder_search_set": rows, "decoder_float_exact_match": base.exact_match, "decoder_float_cer": base.cer,
              "ort_cpu_int8_decoder_exact_match": r.exact_match, "ort_cpu_int8_decoder_cer": r.cer,
              "ort_cpu_int8_decoder_identical": r.identical_to(base), "decoder_int8_nodes": len(int8),
-             "decoder_nodes": len(step_nodes)}, searched.trace if searched else [], sens)
+             "decoder_nodes": len(step_nodes), "decoder_cross_kv": cross, "decoder_cross_kv_nodes": len(cross_nodes),
+             "decoder_cross_kv_check": cross_check}, searched.trace if searched else [], sens)

@@ -39,6 +39,9 @@ class Plan:
     # decoder_step weight nodes -> int8 | float (decoder_first follows: same weights); empty with
     # decoder "int8" = every weight node in 8 bits
     decoder_nodes: dict[str, str] = field(default_factory=dict)
+    # decoder_first's cross-attention K/V projections of the encoder output (not in decoder_step):
+    # int8 = dynamic INT8 (per-channel weights, per-tensor activations at run time) | float
+    decoder_cross_kv: str = "float"
     # the ort_cpu encoder (attention fused and float: only the projections are groups there) ->
     # int8 | float, searched on that graph; empty = the projections' precision in `groups`
     ort_cpu_groups: dict[str, str] = field(default_factory=dict)
@@ -111,6 +114,9 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
     nodes = raw.get("decoder_nodes") or {}
     if not isinstance(nodes, dict) or any(v not in PRECISIONS for v in nodes.values()):
         raise PipelineError(f"quantize.plan: 'decoder_nodes' must map node names to one of {PRECISIONS}")
+    cross_kv = raw.get("decoder_cross_kv", "float")
+    if cross_kv not in PRECISIONS:
+        raise PipelineError(f"quantize.plan: 'decoder_cross_kv' must be one of {PRECISIONS}, got {cross_kv!r}")
     ort = raw.get("ort_cpu_groups") or {}
     if not isinstance(ort, dict) or any(v not in PRECISIONS for v in ort.values()):
         raise PipelineError(f"quantize.plan: 'ort_cpu_groups' must map group names to one of {PRECISIONS}")
@@ -125,7 +131,7 @@ def load(path: str | Path, known_groups: Sequence[str], known_methods: Sequence[
                 smoothquant=_alpha(raw.get("smoothquant"), path), ort_cpu_activations=acts,
                 qat=_qat(raw.get("qat"), path),
                 measured=dict(raw.get("measured") or {}), note=str(raw.get("note", "")), decoder=decoder,
-                decoder_nodes={str(k): str(v) for k, v in nodes.items()},
+                decoder_nodes={str(k): str(v) for k, v in nodes.items()}, decoder_cross_kv=cross_kv,
                 ort_cpu_groups={str(k): str(v) for k, v in ort.items()}, carried=carried)
 
 

@@ -39,6 +39,8 @@ def decoder_line(plan: Plan) -> str:
     """What the plan made of the decoders, per target."""
     return (f"ort_cpu: {sum(v == 'int8' for v in plan.decoder_nodes.values())} of {len(plan.decoder_nodes)} "
             f"weight matrices in 8 bits (ORT MatMulNBits, blocks of {qdec.BLOCK}, symmetric), the rest FP32"
+            + ("; decoder_first's cross-attention K/V projections dynamic INT8 (per-channel weights, "
+               "per-tensor activations)" if plan.decoder_cross_kv == "int8" else "")
             if plan.decoder == "int8" else "ort_cpu: float (FP32)") \
         + "; TensorRT / Metax: float (export casts it to FP16)"
 
@@ -229,7 +231,19 @@ def _decoder_section(m: dict) -> str:
             f"the plan's decoder {s['ort_cpu_int8_decoder_exact_match']:.3f} / {s['ort_cpu_int8_decoder_cer']:.3f} "
             f"({s['ort_cpu_int8_decoder_identical']:.0%} of readings identical).\n\n"
             + (f"Sensitivity (logits of recorded greedy decoder steps, each node alone in 8 bits):\n\n{sens}\n\n"
-               f"Search:\n\n{trace}\n\n" if m.get("decoder_sensitivity") else ""))
+               f"Search:\n\n{trace}\n\n" if m.get("decoder_sensitivity") else "")
+            + _cross_kv_line(s))
+
+
+def _cross_kv_line(s: dict) -> str:
+    c = s.get("decoder_cross_kv_check")
+    if not c:
+        return ""
+    kept = "kept" if s.get("decoder_cross_kv") == "int8" else "over the budget: they stay FP32"
+    return (f"Then decoder_first's {s['decoder_cross_kv_nodes']} cross-attention K/V projections of the encoder "
+            f"output in dynamic INT8, with the plan's decoder: exact match {c['exact_match']:.3f} on {c['n']} "
+            f"formulas, loss {c['loss']:+.3f} vs the float decoder ({_paired_cell(c)}, paired SE "
+            f"{c.get('loss_se', float('nan')):.3f}), {c['identical']:.0%} of readings identical: {kept}.\n\n")
 
 
 def summary_line(m: dict) -> str:
