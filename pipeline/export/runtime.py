@@ -175,13 +175,17 @@ class OnnxPackage:
     def verify_width(self) -> int:
         """Tokens a ``decoder_verify`` call reads at most (``package.json: verify_width``; a graph of fixed
         width, from before the width was dynamic: that width)."""
+        return self._verify_geometry()[0]
+
+    def _verify_geometry(self) -> tuple[int, bool]:
+        """``decoder_verify``'s width and whether the graph fixes it."""
         width = self._verify_session().get_inputs()[0].shape[-1]
         if isinstance(width, int):
-            return width
+            return width, True
         if not isinstance(self.meta.get("verify_width"), int) or self.meta["verify_width"] < 2:
             raise PipelineError(f"package {self.folder}: decoder_verify's width is dynamic and package.json "
                                 f"has no verify_width (an integer >= 2): {self.meta.get('verify_width')!r}")
-        return int(self.meta["verify_width"])
+        return int(self.meta["verify_width"]), False
 
     def _verify_session(self):
         if "decoder_verify" not in self.sessions:
@@ -235,8 +239,8 @@ class OnnxPackage:
         each of the T, present grown by T (by the graph's width where that is fixed: the padded call's extra
         K/V included, for the caller to cut; a lone token goes to the step graph: :class:`VerifyCalls`)."""
         if self._calls is None:
-            fixed = isinstance(self._verify_session().get_inputs()[0].shape[-1], int)
-            self._calls = VerifyCalls(self._verify_run, self.step, self.verify_width, self.max_positions, fixed)
+            width, fixed = self._verify_geometry()
+            self._calls = VerifyCalls(self._verify_run, self.step, width, self.max_positions, fixed)
         return self._calls(input_ids, past, cross)
 
     def _verify_run(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
