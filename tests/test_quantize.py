@@ -363,6 +363,16 @@ def test_plan_round_trip_and_validation(tmp_path):
         load(tmp_path / "ort.json", list(plan.groups), ["minmax"])
     with pytest.raises(PipelineError, match="not in this model's graph: blocks.0.attn.qkv_proj"):
         load(tmp_path / "p.json", ["blocks.0.attn.context"], ["minmax"])
+    plan.decoder_cross_kv = "int8"
+    plan.save(tmp_path / "p.json")
+    assert load(tmp_path / "p.json", list(plan.groups), ["minmax"]).decoder_cross_kv == "int8"
+    raw = json.loads((tmp_path / "p.json").read_text())
+    del raw["decoder_cross_kv"]  # a plan from before the key: its cross-attention K/V projections were float
+    (tmp_path / "old.json").write_text(json.dumps(raw))
+    assert load(tmp_path / "old.json", list(plan.groups), ["minmax"]).decoder_cross_kv == "float"
+    (tmp_path / "cross.json").write_text(json.dumps(dict(raw, decoder_cross_kv="int4")))
+    with pytest.raises(PipelineError, match="'decoder_cross_kv' must be one of"):
+        load(tmp_path / "cross.json", list(plan.groups), ["minmax"])
     raw = json.loads((tmp_path / "p.json").read_text())
     raw["groups"]["blocks.0.attn.context"]["precision"] = "int4"
     (tmp_path / "bad.json").write_text(json.dumps(raw))

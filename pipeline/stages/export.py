@@ -81,8 +81,9 @@ class ExportConfig:
     drafter: str = "none"                # none: plain greedy (every package still holds decoder_verify) | ngram
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
                                          # formula BPE). Off by default: on this CPU a verify call costs a step
-                                         # + ~0.15 ms a token, so 2.2-2.6x fewer calls gave 1.09x / 0.99x decoder
-                                         # ms on the whole eval / shift splits (2026-12-05; docs/export.md,
+                                         # + ~0.15 ms a token, so 2.2-2.5x fewer calls gave 1.21x / 1.09x decoder
+                                         # ms and 1.08x / 1.04x end to end on the whole eval / shift splits, with
+                                         # 4 % of readings flipped at near-ties (2026-12-05; docs/export.md,
                                          # "Speculative decoding")
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
