@@ -153,23 +153,32 @@ class SpeculativeStats:
 
 
 class VerifyCalls:
-    """A verify graph (batch 1, up to ``width`` tokens) as the loop's ``verify``. A lone token (the
-    drafter proposed nothing) goes to ``step``, the cheaper graph for one; so do tokens a call would
-    carry past the decoder's position table (``max_positions``), one ``step`` call each. ``fixed``: the
+    """A verify graph (batch 1, up to ``width`` tokens) as the loop's ``verify``.
+
+    Every token goes through the verify graph, a lone one (the drafter proposed nothing) padded to two
+    rows: the graph's rows are bit for bit the same whatever the call's width, padding or a token's
+    place in it, so the loop writes exactly what greedy decoding on the verify graph writes
+    (:meth:`OnnxPackage.verify_greedy`), and the cache holds the same K/V whichever calls wrote it.
+    The step graph attends from a single query row, which a CPU kernel rounds otherwise (~1e-7): a lone
+    token sent there would make the reading depend on where the drafter stopped. Tokens a call would
+    carry past the decoder's position table (``max_positions``) go one ``step`` call each. ``fixed``: the
     graph's width is fixed (packages exported before the width was dynamic): fewer tokens are padded
-    with the last one (a padded position reads only what precedes it, so the real positions' logits are
-    unchanged; its logits and K/V are never used: the loop cuts the cache to the tokens written)."""
+    with the last one up to it, and a lone token goes to ``step`` (a whole-width call for one token
+    costs three steps). A padded position reads only what precedes it, so the real positions' logits
+    are unchanged; its logits and K/V are never used: the loop cuts the cache to the tokens written."""
 
     def __init__(self, run: Callable, step: Callable, width: int, max_positions: int, fixed: bool = False):
         self.run, self.step, self.width, self.max_positions = run, step, int(width), int(max_positions)
         self.fixed = bool(fixed)
+        if self.width < 2:
+            raise ValueError(f"a verify graph reads at least 2 tokens, got width {self.width}")
 
     def __call__(self, ids: np.ndarray, past: list, cross: list):
         n = ids.shape[1]
         if n > self.width:
             raise ValueError(f"{n} tokens for a verify graph of width {self.width}")
-        fed_n = self.width if self.fixed else n
-        if n == 1 or past[0].shape[2] + fed_n > self.max_positions:
+        fed_n = self.width if self.fixed else max(n, 2)
+        if (n == 1 and self.fixed) or past[0].shape[2] + fed_n > self.max_positions:
             rows = []
             for t in range(n):
                 logits, past = self.step(ids[:, t:t + 1], past, cross)

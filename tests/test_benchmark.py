@@ -122,9 +122,9 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     spec = m["speculative"]["deployable"]
     assert spec["drafter"] == "ngram" and set(spec["splits"]) == {"formulas"}
     r = spec["splits"]["formulas"]
-    assert r["n"] == 10 and r["identical"] == 1.0
+    assert r["n"] == 10 and r["identical"] == 1.0 and r["identical_verify_greedy"] == 1.0
     assert 1 <= r["calls_per_formula"] <= r["greedy_calls_per_formula"]
-    assert "## Speculative decoding" in report and "| deployable | ngram (k=8) | formulas | 10 | 1.000 |" in report
+    assert "## Speculative decoding" in report and "| deployable | ngram (k=8) | formulas | 10 | 1.000 | 1.000 |" in report
     assert set(json.loads((folder / "predictions.jsonl").read_text().splitlines()[0])) == \
         {"truth", "torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine"}
 
@@ -246,6 +246,7 @@ def test_real_model_against_its_exported_package():
     assert set(by) == {"torch original", "torch original + KV cache", "exported", "exported (greedy)"}
     # the real model's package decodes speculatively token for token as it decodes greedily
     assert m["speculative"]["exported"]["splits"]["formulas"]["identical"] == 1.0
+    assert m["speculative"]["exported"]["splits"]["formulas"]["identical_verify_greedy"] == 1.0
     for v in by.values():  # the shipped model reads both formulas right, and so does every variant
         assert v["exact_match"] == 1.0 and v["identical_tokens"] == 1.0 and v["accuracy_n"] == 2
     assert m["serving"]["n"] == 2 and by["exported"]["peak_mb"] is None

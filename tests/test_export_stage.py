@@ -70,6 +70,14 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     assert got.token_ids == want.token_ids
     assert sum(got.calls) < sum(want.calls) == sum(len(t) for t in want.token_ids)
     assert s["max_tie_margin"] == 0.0 and s["tie_margins"] == []
+    # greedy decoding on the verify graph (a lone token padded to two rows): what the loop writes, token
+    # for token, whatever the drafter proposes: its own drafts, or always a wrong (banned) token
+    assert s["identical_verify_greedy"] == 1.0 and s["verify_greedy_differing"] == []
+    exact = plain.verify_greedy(images, MAX_LENGTH)
+    assert exact.token_ids == got.token_ids and exact.calls == [len(t) for t in exact.token_ids]
+    fast.drafter.propose = lambda ids, k: [fast.bos] * k
+    wrong = fast.generate(images, MAX_LENGTH, batch_size=1)
+    assert wrong.token_ids == exact.token_ids and wrong.calls == exact.calls
 
 
 def test_a_reading_that_leaves_greedy_at_a_confident_token_is_told_from_a_near_tie(ort_pkg):

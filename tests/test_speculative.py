@@ -202,9 +202,10 @@ def test_a_broken_drafter_file_is_one_clear_error(tmp_path, payload, needle):
 @pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("positions", [12, 40])
 def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions, fixed):
-    """A call reads the last token and the drafts (a graph of fixed width, from older packages: padded to it,
-    the padded positions' logits unused, their K/V cut); where a call would pass the position table, the
-    tokens go one step each, and so does a lone token (nothing drafted)."""
+    """A call reads the last token and the drafts, a lone token (nothing drafted) padded to two rows (a
+    graph of fixed width, from older packages: padded to it, a lone token to the step graph; the padded
+    positions' logits unused, their K/V cut); where a call would pass the position table, the tokens go
+    one step each."""
     from pipeline.decoding import VerifyCalls
 
     toy = ToyDecoder(5)
@@ -236,11 +237,17 @@ def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions
         got = speculative_greedy(toy.first, verify, counted, BOS, EOS, [PAD, BOS], 30, 3)
         assert got == want
         if positions == 40:  # the table never in the way: a call of two or more tokens is one verify call
-            assert widths == ([4] * len(widths) if fixed else [n for n in fed if n > 1])
+            assert widths == ([4] * len(widths) if fixed else [max(n, 2) for n in fed])
+            assert steps == ([1] * sum(n == 1 for n in fed) if fixed else [])
     with pytest.raises(ValueError, match="5 tokens for a verify graph of width 4"):
         VerifyCalls(run, step, 4, positions, fixed)(np.ones((1, 5), np.int64), *toy.first(np.ones((1, 1), np.int64))[1:])
     widths.clear(), steps.clear()
     got = speculative_greedy(toy.first, VerifyCalls(run, step, 4, positions, fixed), lambda ids, k: [], BOS, EOS,
                              [PAD, BOS], 30, 3)
-    assert got == want and widths == [] and steps == [1] * (len(want) - 1)  # nothing drafted: plain steps
+    assert got == want
+    if fixed:  # nothing drafted: plain steps
+        assert widths == [] and steps == [1] * (len(want) - 1)
+    else:      # nothing drafted: every token its own verify call of two rows (the table's end: steps)
+        assert set(widths) == {2} and len(widths) + len(steps) == len(want) - 1
+        assert steps == ([] if positions == 40 else [1] * len(steps))
 

@@ -114,7 +114,9 @@ def timing(variant: Variant, images: np.ndarray, max_length: int, batch_size: in
 def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: int, baseline: Variant | None = None,
                 progress: Callable[[int], None] | None = None) -> dict:
     """A package's speculative readings (batch 1, its drafter) against its plain greedy ones, image by
-    image in turn (all see the same load): the share identical, decoder calls and tokens per formula,
+    image in turn (all see the same load): the share identical, the share identical to greedy decoding
+    on the verify graph (:meth:`OnnxPackage.verify_greedy`, read after the timed turn: the readings the
+    loop must write, 1 unless it is broken), decoder calls and tokens per formula,
     accepted drafts per verify call, the decoder's and the whole reading's milliseconds per formula
     of each; with ``baseline`` (another package, plain greedy) its end-to-end milliseconds too, read
     in the same turn."""
@@ -123,7 +125,7 @@ def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: i
     turn = [fast, plain] + ([baseline] if baseline is not None else [])
     ms = {v.label: [] for v in turn}
     dec = {v.label: 0.0 for v in turn}
-    same, calls, steps = [], [], []
+    same, exact, calls, steps = [], [], [], []
     for img in images:
         got = {}
         for v in turn:
@@ -133,6 +135,7 @@ def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: i
             dec[v.label] += got[v.label].decoder_seconds
         a, b = got[fast.label], got[plain.label]
         same.append(a.token_ids == b.token_ids)
+        exact.append(a.token_ids == plain.package.verify_greedy(img[None], max_length).token_ids)
         calls += a.calls
         steps += b.steps
         if progress is not None:
@@ -141,6 +144,7 @@ def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: i
     verifies = after["verify_calls"] - before["verify_calls"]
     n = max(1, len(images))
     out = {"n": len(images), "identical": float(np.mean(same)) if same else 1.0,
+           "identical_verify_greedy": float(np.mean(exact)) if exact else 1.0,
            "calls_per_formula": float(np.mean(calls)) if calls else 0.0,
            "greedy_calls_per_formula": float(np.mean(steps)) if steps else 0.0,
            "accepted_per_verify": (after["accepted"] - before["accepted"]) / max(1, verifies),

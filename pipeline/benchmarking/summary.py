@@ -162,7 +162,9 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
     for label, spec in (metrics.get("speculative") or {}).items():
         lines += [f"Speculative decoding of `{label}` at batch 1 ({spec['drafter']} drafter, {spec['draft_len']} drafts "
                   f"a call) against its own plain greedy: " + "; ".join(
-                      f"{split}: identical on {r['identical']:.3f} of {r['n']}, decoder calls "
+                      f"{split}: identical on {r['identical']:.3f} of {r['n']}"
+                      + (f" (to greedy on the verify graph: {r['identical_verify_greedy']:.3f})"
+                         if "identical_verify_greedy" in r else "") + ", decoder calls "
                       f"{r['greedy_calls_per_formula'] / max(r['calls_per_formula'], 1e-9):.2f}x fewer, decoder ms "
                       f"{r['greedy_decoder_ms_per_formula'] / max(r['decoder_ms_per_formula'], 1e-9):.2f}x lower"
                       + (f", end to end {r['baseline_ms_per_formula'] / max(r['ms_per_formula'], 1e-9):.2f}x "

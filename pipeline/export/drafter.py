@@ -81,7 +81,10 @@ def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], 
           ) -> dict:
     """The package's speculative readings of ``images`` (batch 1) against its plain greedy ones: the
     share identical, and for each reading that differs the step logits' margin where it first leaves
-    greedy's (:func:`tie_margin`); decoder calls and tokens per reading, accepted drafts per call."""
+    greedy's (:func:`tie_margin`); against greedy decoding on the verify graph
+    (:meth:`OnnxPackage.verify_greedy`, the same arithmetic: they must all be identical,
+    ``verify_greedy_differing`` names any that is not); decoder calls and tokens per reading, accepted
+    drafts per call."""
     package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider")
     if not package.speculative:
         raise PipelineError(f"package {folder}: no drafter to check")
@@ -91,7 +94,10 @@ def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], 
     stats = package.spec_stats.as_dict()
     differing = [i for i, s in enumerate(same) if not s]
     margins = [round(tie_margin(package, images[i], plain_ids[i], got.token_ids[i]), 4) for i in differing]
+    exact = package.verify_greedy(images, max_length).token_ids
+    apart = [i for i, (a, b) in enumerate(zip(got.token_ids, exact)) if list(a) != list(b)]
     return {"n": len(same), "identical": float(np.mean(same)) if same else 1.0,
+            "identical_verify_greedy": 1.0 - len(apart) / max(1, len(same)), "verify_greedy_differing": apart,
             "differing": differing, "tie_margins": margins, "max_tie_margin": max(margins, default=0.0),
             "seconds": round(time.perf_counter() - started, 1),
             **{k: stats[k] for k in ("calls_per_reading", "tokens_per_reading", "tokens_per_call",

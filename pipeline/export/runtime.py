@@ -236,8 +236,8 @@ class OnnxPackage:
 
     def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         """Up to ``verify_width`` tokens after ``past`` (batch 1) in one call: logits [1, T, V] after
-        each of the T, present grown by T (by the graph's width where that is fixed: the padded call's extra
-        K/V included, for the caller to cut; a lone token goes to the step graph: :class:`VerifyCalls`)."""
+        each of the T, present grown by T or more (a padded call's extra K/V included, for the caller to
+        cut: :class:`VerifyCalls`)."""
         if self._calls is None:
             width, fixed = self._verify_geometry()
             self._calls = VerifyCalls(self._verify_run, self.step, width, self.max_positions, fixed)
@@ -257,6 +257,18 @@ class OnnxPackage:
         drafter reads batches of one speculatively (the same tokens, fewer decoder calls) unless
         ``speculative=False`` (a server reading one image while others wait: plain greedy)."""
         spec = self.speculative if speculative is None else speculative and self.speculative
+        return self._decode(images, max_length, batch_size, progress, "speculative" if spec else "greedy")
+
+    def verify_greedy(self, images: np.ndarray, max_length: int,
+                      progress: Callable[[int], None] | None = None) -> DecodeResult:
+        """Plain greedy decoding image by image on ``decoder_verify`` (every token alone, padded to two
+        rows): the readings speculative decoding writes token for token, whatever the drafter proposes
+        (:class:`VerifyCalls`). A check, not a fast path: plain greedy on the step graph is faster and can
+        differ from it at near-ties (the step attends from one query row, rounded by another kernel)."""
+        return self._decode(images, max_length, 1, progress, "verify_greedy")
+
+    def _decode(self, images: np.ndarray, max_length: int, batch_size: int,
+                progress: Callable[[int], None] | None, how: str) -> DecodeResult:
         all_ids: list[list[int]] = []
         calls: list[int] = []
         enc_s = dec_s = 0.0
@@ -265,10 +277,14 @@ class OnnxPackage:
             t0 = time.perf_counter()
             memory = self.encode(batch)
             t1 = time.perf_counter()
-            if spec and batch.shape[0] == 1:
+            if how == "speculative" and batch.shape[0] == 1:
                 before = self.spec_stats.calls
                 all_ids.append(self._speculative(memory, max_length))
                 calls.append(self.spec_stats.calls - before)
+            elif how == "verify_greedy":
+                stats = SpeculativeStats()
+                all_ids.append(self._speculative(memory, max_length, drafted=False, stats=stats))
+                calls.append(stats.calls)
             else:
                 read = self._greedy(memory, max_length)
                 all_ids += read
@@ -289,14 +305,17 @@ class OnnxPackage:
                                                      self.layout_run_cap)
         return self._guard
 
-    def _speculative(self, memory: np.ndarray, max_length: int) -> list[int]:
-        """One image's reading, speculatively (``pipeline/decoding.py``): greedy's tokens."""
+    def _speculative(self, memory: np.ndarray, max_length: int, drafted: bool = True,
+                     stats: SpeculativeStats | None = None) -> list[int]:
+        """One image's reading, speculatively (``pipeline/decoding.py``): greedy's tokens. ``drafted``
+        False: nothing drafted, every token its own verify call (:meth:`verify_greedy`)."""
         guard = None
         if self.layout_run_cap:
             guard = self.layout_guard(self._vocab())
-        return speculative_greedy(lambda ids: self.first(ids, memory), self.verify, self.drafter.propose,
-                                  self.bos, self.eos, self.banned, max_length, self.draft_len, guard,
-                                  self.spec_stats)
+        propose = self.drafter.propose if drafted else (lambda ids, k: [])
+        return speculative_greedy(lambda ids: self.first(ids, memory), self.verify, propose,
+                                  self.bos, self.eos, self.banned, max_length, self.draft_len if drafted else 0,
+                                  guard, self.spec_stats if stats is None else stats)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         """Plain greedy decoding of a batch (:func:`pipeline.decoding.greedy`) on this package's

@@ -364,6 +364,11 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
             speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
                            **spec.check(out.path, torch.stack([x[2] for x in eval_items]).numpy(), tokens.package_ids,
                                         max_length, int(mcfg.threads or 0))}
+            if speculative["verify_greedy_differing"]:
+                failures.append(f"speculative decoding: {len(speculative['verify_greedy_differing'])} of "
+                                f"{speculative['n']} readings differ from greedy decoding on the verify graph, "
+                                f"which the loop must write token for token (formulas "
+                                f"{speculative['verify_greedy_differing'][:5]}): a broken drafter loop or cache")
             if speculative["identical"] < cfg.min_speculative_identical:
                 failures.append(f"speculative decoding: identical to the package's greedy readings on "
                                 f"{speculative['identical']:.3f} of {speculative['n']} formulas < "
