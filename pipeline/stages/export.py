@@ -81,10 +81,11 @@ class ExportConfig:
     drafter: str = "none"                # none: plain greedy (every package still holds decoder_verify) | ngram
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
                                          # formula BPE). Off by default: on this CPU a verify call costs a step
-                                         # + ~0.15 ms a token, so 2.2-2.5x fewer calls gave 1.21x / 1.09x decoder
-                                         # ms and 1.08x / 1.04x end to end on the whole eval / shift splits, with
-                                         # 4 % of readings flipped at near-ties (2026-12-05; docs/export.md,
-                                         # "Speculative decoding")
+                                         # + ~0.15 ms a token, so 2.9x / 2.6x fewer calls gave 1.31x / 1.18x decoder
+                                         # ms and 1.12x / 1.09x end to end on the whole eval / shift splits, its
+                                         # readings are the verify graph's greedy ones (4-5 % differ from the step
+                                         # graph's at near-ties), and drafting from the train split adds minutes
+                                         # to the chain (2026-12-05; docs/export.md, "Speculative decoding")
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     # train formulas the package reads to build the ngram drafter (null: the whole split; 1,779 readings
