@@ -137,19 +137,23 @@ def greedy(first: Callable[[], np.ndarray], step: Callable[[np.ndarray], np.ndar
 
 class SpeculativeStats:
     """What speculative decoding did over the readings it was handed: decoder calls (the first call
-    included), verify calls, tokens drafted and drafted tokens accepted, tokens written."""
+    included), verify calls, tokens drafted and drafted tokens accepted, tokens written; the drafter's
+    own decoder calls (a student's: not the package's decoder, counted apart)."""
 
     def __init__(self) -> None:
         self.readings = self.calls = self.verify_calls = self.drafted = self.accepted = self.tokens = 0
+        self.drafter_calls = 0
 
     def as_dict(self) -> dict:
         n = max(1, self.readings)
         return {"readings": self.readings, "decoder_calls": self.calls, "verify_calls": self.verify_calls,
                 "drafted": self.drafted, "accepted": self.accepted, "tokens": self.tokens,
+                "drafter_calls": self.drafter_calls,
                 "calls_per_reading": round(self.calls / n, 2), "tokens_per_reading": round(self.tokens / n, 2),
                 "tokens_per_call": round(self.tokens / max(1, self.calls), 2),
                 "accepted_per_verify": round(self.accepted / max(1, self.verify_calls), 2),
-                "acceptance": round(self.accepted / max(1, self.drafted), 3)}
+                "acceptance": round(self.accepted / max(1, self.drafted), 3),
+                "drafter_calls_per_reading": round(self.drafter_calls / n, 2)}
 
 
 class VerifyCalls:

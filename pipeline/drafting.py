@@ -16,10 +16,17 @@ built by stage export from artifacts the chain already makes (never from the eva
   equal length the reading's own; its share counts as 1).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
   the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
+- ``student``: the BPE student of stage distill reads the image first (its own two decoder graphs in
+  the package, on the package's encoder output: a few BPE steps a formula), its reading spelled in the
+  decoder's characters is the *guide*; where the last tokens written (``min_match`` or more) occur in
+  the guide, what follows them there is proposed (the occurrence nearest after the last one followed);
+  elsewhere (the display wrapper the student does not write, a place the two readings part) the
+  ``ngram`` table above proposes.
 
 No torch and no other module of this project here: the package runtime loads it, and so does
 ``tests/macart_decode.py`` (the ONNX Runtime 1.12 venv), by file path. :data:`DRAFTERS` is the
-registry; :func:`load` reads a ``drafter.json``.
+registry; :func:`load` reads a ``drafter.json``. A drafter with ``begin(memory)`` is told each reading's
+encoder output before its first proposal and returns the decoder calls it made.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ import json
 import threading
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 FORMAT = "formula-compress drafter v1"
 
@@ -168,7 +177,116 @@ class BpeDrafter:
         return cls(dict(data["completions"]), token_texts)
 
 
-DRAFTERS: dict[str, type] = {"ngram": NgramDrafter, "bpe": BpeDrafter}
+class StudentReader:
+    """The student's greedy reading of one encoder output (batch 1) on its ``decoder_first`` and
+    ``decoder_step`` graphs (ONNX Runtime sessions), spelled in the package's vocabulary: ``pieces[i]``
+    are the token ids BPE id ``i`` writes. Stops at the student's EOS or once ``max_tokens`` are spelled.
+    No layout cap, no exactness asked: the guide only decides what is proposed."""
+
+    def __init__(self, first, step, step_inputs: Sequence[str], num_layers: int, bos: int, eos: int,
+                 banned: Sequence[int], pieces: Sequence[Sequence[int]], max_tokens: int):
+        self.first, self.step, self.step_inputs = first, step, list(step_inputs)
+        self.n = 2 * int(num_layers)
+        self.bos, self.eos, self.banned = int(bos), int(eos), list(banned)
+        self.pieces = [list(p) for p in pieces]
+        self.max_tokens = int(max_tokens)
+
+    def __call__(self, memory: np.ndarray) -> tuple[list[int], int]:
+        """(the guide's token ids, the student's decoder calls)."""
+        outs = self.first.run(None, {"input_ids": np.full((1, 1), self.bos, dtype=np.int64), "memory": memory})
+        logits, past, cross = outs[0], outs[1:1 + self.n], outs[1 + self.n:]
+        guide: list[int] = []
+        calls = 1
+        while True:
+            row = np.array(logits[0], dtype=np.float32)
+            row[self.banned] = -np.inf
+            tok = int(row.argmax())
+            if tok == self.eos or not 0 <= tok < len(self.pieces):
+                break
+            guide += self.pieces[tok]
+            if len(guide) >= self.max_tokens:
+                break
+            outs = self.step.run(None, dict(zip(self.step_inputs, [np.full((1, 1), tok, dtype=np.int64), *past,
+                                                                    *cross])))
+            logits, past = outs[0], outs[1:]
+            calls += 1
+        return guide[:self.max_tokens], calls
+
+
+class StudentDrafter(NgramDrafter):
+    """What follows the last tokens written in the student's reading of the image (the guide), else the
+    ngram table. ``reader(memory) -> (guide ids, calls)`` (:class:`StudentReader` in a package)."""
+
+    kind = "student"
+
+    def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0,
+                 shares: dict[tuple[int, ...], float] | None = None, min_confidence: float = 0.0,
+                 reader: Callable[[np.ndarray], tuple[list[int], int]] | None = None, min_match: int = 2,
+                 student: dict | None = None):
+        super().__init__(order, table, self_lookup, shares, min_confidence)
+        if min_match < 1 or min_match > order:
+            raise ValueError(f"min_match must be 1..order ({order}), got {min_match}")
+        self.reader, self.min_match, self.student = reader, int(min_match), dict(student or {})
+
+    @classmethod
+    def from_ngram(cls, ngram: NgramDrafter, student: dict, min_match: int = 2) -> "StudentDrafter":
+        return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence,
+                   min_match=min_match, student=student)
+
+    def begin(self, memory: np.ndarray) -> int:
+        """Read ``memory`` with the student: the guide of this thread's next reading; its calls."""
+        if self.reader is None:
+            raise ValueError("the student drafter has no reader (its graphs were not loaded)")
+        guide, calls = self.reader(memory)
+        self.follow(guide)
+        return calls
+
+    def follow(self, guide: Sequence[int]) -> None:
+        """Take ``guide`` as this thread's next reading's guide: its contexts of ``min_match``..``order``
+        tokens -> where they end in it."""
+        ends: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+        guide = [int(t) for t in guide]
+        for end in range(1, len(guide)):
+            for n in range(self.min_match, min(self.order, end) + 1):
+                ends[tuple(guide[end - n:end])].append(end)
+        self._local.guide, self._local.ends, self._local.cursor = guide, ends, 0
+
+    def _guided(self, ids: Sequence[int], k: int) -> list[int]:
+        mine = self._local
+        guide, ends = getattr(mine, "guide", None), getattr(mine, "ends", None)
+        if not guide:
+            return []
+        for n in range(min(self.order, len(ids)), self.min_match - 1, -1):
+            at = ends.get(tuple(ids[-n:]))
+            if at:
+                ahead = [e for e in at if e >= mine.cursor]
+                end = ahead[0] if ahead else at[-1]
+                mine.cursor = end
+                return guide[end:end + k]
+        return []
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        return self._guided(ids, k) or super().propose(ids, k)
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "min_match": self.min_match, "student": self.student}
+
+    @classmethod
+    def from_json(cls, data: dict, open_graph: Callable[[str], object] | None = None, **_) -> "StudentDrafter":
+        """``open_graph(file name)``: an ONNX Runtime session of a graph in the package (none: no reader,
+        the table alone)."""
+        ngram = NgramDrafter.from_json(data)
+        student = dict(data["student"])
+        reader = None
+        if open_graph is not None:
+            reader = StudentReader(open_graph(student["first"]), open_graph(student["step"]), student["step_inputs"],
+                                   student["num_layers"], student["bos"], student["eos"], student["banned"],
+                                   student["pieces"], student["max_tokens"])
+        return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence, reader,
+                   int(data.get("min_match", 2)), student)
+
+
+DRAFTERS: dict[str, type] = {"ngram": NgramDrafter, "bpe": BpeDrafter, "student": StudentDrafter}
 
 
 def save(drafter, path: Path, draft_len: int, source: dict) -> None:
@@ -180,8 +298,10 @@ def save(drafter, path: Path, draft_len: int, source: dict) -> None:
     tmp.replace(path)
 
 
-def load(path: Path, token_texts: Sequence[str] = ()) -> tuple[object, int]:
-    """The drafter of a ``drafter.json`` and its draft length; a wrong file is a ``ValueError``."""
+def load(path: Path, token_texts: Sequence[str] = (), open_graph: Callable[[str], object] | None = None
+         ) -> tuple[object, int]:
+    """The drafter of a ``drafter.json`` and its draft length; a wrong file is a ``ValueError``.
+    ``open_graph``: a session for a graph file the drafter names (the student's)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -194,6 +314,10 @@ def load(path: Path, token_texts: Sequence[str] = ()) -> tuple[object, int]:
     draft_len = data.get("draft_len")
     if not isinstance(draft_len, int) or draft_len < 1:
         raise ValueError(f"drafter {path}: draft_len must be an integer >= 1, got {draft_len!r}")
-    return DRAFTERS[kind].from_json(data, token_texts=token_texts), draft_len
+    try:
+        drafter = DRAFTERS[kind].from_json(data, token_texts=token_texts, open_graph=open_graph)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"drafter {path}: a {kind} drafter without {exc}") from None
+    return drafter, draft_len
 
 

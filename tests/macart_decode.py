@@ -118,7 +118,13 @@ class Package:
             self.sessions["verify"] = ort.InferenceSession(str(folder / self.meta["graphs"]["decoder_verify"]),
                                                            self.options, providers=[PROVIDER])
         vocab = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
-        drafter, draft_len = drafting.load(folder / self.meta["drafter"], token_texts(self.tokenizer_json, vocab))
+        drafter, draft_len = drafting.load(  # a student drafter's graphs: sessions like the package's
+            folder / self.meta["drafter"], token_texts(self.tokenizer_json, vocab),
+            open_graph=lambda name: ort.InferenceSession(str(folder / name), self.options, providers=[PROVIDER]))
+        if hasattr(drafter, "begin"):  # the student reads the image first
+            calls = drafter.begin(memory)
+            if stats is not None:
+                stats.drafter_calls += calls
         names = self.io["decoder_verify"]["inputs"]
 
         def run(ids, past, cross):

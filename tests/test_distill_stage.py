@@ -189,6 +189,67 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     assert [r["pred"] for r in rows] == want.texts and evaluated["metrics"]["n"] == 3
 
 
+def test_a_student_drafter_reads_the_image_first_and_the_package_still_writes_greedy(bpe_file, tmp_path):
+    """export.drafter=student: the student's two decoder graphs go into the char model's package; its
+    reading of the package's encoder output, spelled in characters, is the guide; the speculative
+    readings are greedy's on the verify graph."""
+    from pipeline.errors import PipelineError
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import export
+
+    build_tiny().save(tmp_path / "tiny")
+    student = build_tiny().with_bpe(bpe_file)  # the same encoder: it reads the same memory
+    student.save(tmp_path / "student")
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    common = [f"export.model={tmp_path / 'tiny'}", "export.quantized=none", f"export.formulas={tmp_path / 'formulas.txt'}",
+              "export.parity_limit=3", "export.parity_images=1", "model.max_length=24", "export.drafter=student"]
+    with pytest.raises(PipelineError, match="no model"):  # no student: one line, before the work
+        export.run(OmegaConf.to_object(fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'none'}"]).cfg.export),
+                   fake_ctx(tmp_path, common))
+    ctx = fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'tiny'}"])
+    with pytest.raises(PipelineError, match="not a formula BPE"):  # a char model is no student
+        export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    assert not (tmp_path / "export-ort_cpu").exists()
+    ctx = fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'student'}", "export.targets=[ort_cpu,metax]"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    folder = tmp_path / "export-ort_cpu"
+    drafter = json.loads((folder / "drafter.json").read_text())
+    assert drafter["kind"] == "student" and drafter["source"]["student"] == str(tmp_path / "student")
+    assert (folder / drafter["student"]["first"]).is_file() and (folder / drafter["student"]["step"]).is_file()
+    parity = json.loads((folder / "parity.json").read_text())["speculative"]
+    assert parity["identical_verify_greedy"] == 1.0 and parity["drafter_calls_per_reading"] >= 1
+
+    from pipeline.data.render import render_formula
+
+    images = np.stack([student.preprocess(render_formula(f)).numpy() for f in FORMULAS[:4]])
+    pkg = OnnxPackage(folder, threads=1)
+    got = pkg.generate(images, 24, batch_size=1)
+    assert got.token_ids == pkg.verify_greedy(images, 24).token_ids
+    assert pkg.spec_stats.drafter_calls >= 4
+    # the guide is the student's own greedy reading of the image, in the package's characters
+    texts = [pkg.tokenizer.decode([i]) for i in range(pkg._vocab())]
+    want = student.generate(torch.from_numpy(images), 24, batch_size=1, use_cache=True).texts
+    for image, text in zip(images, want):
+        guide, calls = pkg.drafter.reader(pkg.encode(image[None]))
+        assert "".join(texts[i] for i in guide) == text[:23] and calls >= 1
+
+    # the Metax package (FP16, opset <= 17) with its student graphs decodes on ONNX Runtime 1.12.1 (MacaRT's
+    # base) speculatively, token for token as plain greedy there
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import macart_env
+
+    metax = tmp_path / "export-metax"
+    assert json.loads((metax / "drafter.json").read_text())["kind"] == "student"
+    np.save(tmp_path / "images.npy", images)
+    plain = macart_env.decode(metax, tmp_path / "images.npy", tmp_path / "plain.json")
+    fast = macart_env.decode(metax, tmp_path / "images.npy", tmp_path / "fast.json", speculative=True)
+    assert fast["sequences"] == plain["sequences"] and fast["onnxruntime"].startswith("1.12")
+    assert fast["speculative"]["drafter_calls"] >= len(images)  # the student read every image
+
+
 def test_stage_all_skips_distill_unless_it_is_in_the_chain_and_a_missing_tokenizer_is_named(tmp_path):
     from pipeline.errors import PipelineError
     from pipeline.stages import distill

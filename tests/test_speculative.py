@@ -187,6 +187,36 @@ def test_bpe_drafter_completes_a_piece():
     assert d.propose([BOS, ids["}"]], 8) == []
 
 
+def test_student_drafter_follows_its_guide_and_falls_back_to_the_table(tmp_path):
+    table = drafting.NgramDrafter.build([[5, 6, 7, EOS]], BOS, order=4, min_count=1)
+    d = drafting.StudentDrafter.from_ngram(table, {"first": "f.onnx"}, min_match=2)
+    guide = [10, 11, 12, 13, 10, 11, 14, 15]  # the student's reading: 10 11 twice
+    d.reader = lambda memory: (guide, 3)
+    assert d.begin(np.zeros((1, 4, 2), dtype=np.float32)) == 3
+    assert d.propose([BOS, 5], 3) == [6, 7, EOS]                        # not in the guide: the table
+    assert d.propose([BOS, 9, 10, 11], 3) == [12, 13, 10]               # the first 10 11
+    assert d.propose([BOS, 9, 10, 11, 12, 13, 10, 11], 3) == [14, 15]   # the longer context: the second
+    assert d.propose([BOS, 9, 10, 11], 3) == [14, 15]                   # 10 11 again: the one after the last followed
+    assert d.propose([BOS, 11, 12], 8) == [13, 10, 11, 14, 15]          # to the guide's end
+    assert d.propose([BOS, 3, 10], 3) == []                             # one token of context: below min_match
+    d.reader = lambda memory: ([20, 21], 1)                             # the next reading: its own guide
+    d.begin(None)
+    assert d.propose([BOS, 10, 11], 3) == [] and d.propose([BOS, 20], 3) == []
+    drafting.save(d, tmp_path / "drafter.json", 4, {})
+    back, draft_len = drafting.load(tmp_path / "drafter.json")       # no graphs to open: no reader
+    assert draft_len == 4 and back.kind == "student" and back.student == {"first": "f.onnx"}
+    assert back.min_match == 2 and back.table == table.table and back.propose([BOS, 5], 3) == [6, 7, EOS]
+    with pytest.raises(ValueError, match="no reader"):
+        back.begin(None)
+    data = json.loads((tmp_path / "drafter.json").read_text())
+    del data["student"]
+    (tmp_path / "drafter.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="a student drafter without 'student'"):
+        drafting.load(tmp_path / "drafter.json")
+    with pytest.raises(ValueError, match="min_match"):
+        drafting.StudentDrafter.from_ngram(table, {}, min_match=5)
+
+
 @pytest.mark.parametrize("payload,needle", [
     ("not json", "unreadable"),
     (json.dumps({"format": "other"}), "not a"),

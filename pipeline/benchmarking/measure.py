@@ -116,7 +116,7 @@ def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: i
     """A package's speculative readings (batch 1, its drafter) against its plain greedy ones, image by
     image in turn (all see the same load): the share identical, the share identical to greedy decoding
     on the verify graph (:meth:`OnnxPackage.verify_greedy`, read after the timed turn: the readings the
-    loop must write, 1 unless it is broken), decoder calls and tokens per formula,
+    loop must write, 1 unless it is broken), decoder calls (and the drafter's own) and tokens per formula,
     accepted drafts per verify call, the decoder's and the whole reading's milliseconds per formula
     of each; with ``baseline`` (another package, plain greedy) its end-to-end milliseconds too, read
     in the same turn."""
@@ -149,6 +149,8 @@ def speculative(fast: Variant, plain: Variant, images: np.ndarray, max_length: i
            "greedy_calls_per_formula": float(np.mean(steps)) if steps else 0.0,
            "accepted_per_verify": (after["accepted"] - before["accepted"]) / max(1, verifies),
            "acceptance": (after["accepted"] - before["accepted"]) / max(1, after["drafted"] - before["drafted"]),
+           # a drafter's own decoder calls (the student's), counted apart from the package's
+           "drafter_calls_per_formula": (after["drafter_calls"] - before["drafter_calls"]) / n,
            "decoder_ms_per_formula": 1000 * dec[fast.label] / n,
            "greedy_decoder_ms_per_formula": 1000 * dec[plain.label] / n,
            "ms_per_formula": float(np.mean(ms[fast.label])) if images.size else 0.0,

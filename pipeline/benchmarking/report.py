@@ -100,7 +100,7 @@ def _speculative(m: dict, baseline_label: str) -> list[str]:
 def _speculative_calls_table(spec: dict) -> str:
     return markdown_table(["package", "drafter", "split", "n", "identical", "identical (verify greedy)",
                            "decoder calls / formula",
-                           "greedy calls / formula", "calls ratio", "accepted / verify call",
+                           "greedy calls / formula", "calls ratio", "drafter calls / formula", "accepted / verify call",
                            "decoder ms / formula", "greedy decoder ms", "decoder ms ratio"],
                           [[label, f"{s['drafter']} (k={s['draft_len']})", split, r["n"],
                             f"{r['identical']:.3f}",
@@ -108,6 +108,7 @@ def _speculative_calls_table(spec: dict) -> str:
                             f"{r['calls_per_formula']:.1f}",
                             f"{r['greedy_calls_per_formula']:.1f}",
                             f"{r['greedy_calls_per_formula'] / max(r['calls_per_formula'], 1e-9):.2f}x",
+                            f"{r.get('drafter_calls_per_formula', 0.0):.1f}",
                             f"{r['accepted_per_verify']:.2f}", f"{r['decoder_ms_per_formula']:.1f}",
                             f"{r['greedy_decoder_ms_per_formula']:.1f}",
                             f"{r['greedy_decoder_ms_per_formula'] / max(r['decoder_ms_per_formula'], 1e-9):.2f}x"]

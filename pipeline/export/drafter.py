@@ -1,6 +1,7 @@
 """A package's drafter for speculative decoding (``pipeline/drafting.py``): built from the package's
-own greedy readings of train formulas (or the formula BPE of stage tokenizer), written into the
-package, and checked: the package's speculative readings must be its plain greedy readings."""
+own greedy readings of train formulas (or the formula BPE of stage tokenizer; the BPE student of
+stage distill adds its two decoder graphs), written into the package, and checked: the package's
+speculative readings must be its plain greedy readings."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import onnx
 
 from pipeline import drafting
 from pipeline.errors import PipelineError
@@ -16,6 +18,8 @@ from pipeline.export.runtime import PACKAGE_META, OnnxPackage
 
 DRAFTER_FILE = "drafter.json"
 KINDS = ("none", *drafting.DRAFTERS)
+# the student's graphs in the package (export.drafter=student)
+STUDENT_GRAPHS = {"first": "drafter_first.onnx", "step": "drafter_step.onnx"}
 
 
 def bpe_pieces(tokenizer_json: Path) -> list[str]:
@@ -41,6 +45,53 @@ def build(kind: str, package: OnnxPackage, readings: Sequence[Sequence[int]] | N
     if kind == "bpe":
         return drafting.BpeDrafter.build(pieces or [], token_texts(package))
     raise PipelineError(f"export.drafter: unknown {kind!r}; known: {', '.join(KINDS)}")
+
+
+def spell(texts: Sequence[str], into: Sequence[str]) -> list[list[int]]:
+    """Each of ``texts`` (what a student's BPE id writes) as token ids of the vocabulary ``into`` (what
+    each package token writes: single characters); a character the package cannot write is left out
+    (the guide only proposes: the verify call decides)."""
+    ids = {t: i for i, t in enumerate(into) if t}
+    return [[ids[ch] for ch in text if ch in ids] for text in texts]
+
+
+def student_graphs(student, target, simplify: bool, model_key: str, package: OnnxPackage, folder: Path,
+                   probe: np.ndarray, progress=lambda _: None) -> dict:
+    """The student's ``decoder_first`` and ``decoder_step`` for ``target``, written into the package
+    ``folder`` (:data:`STUDENT_GRAPHS`), and the ``student`` entry of its ``drafter.json``. ``probe``
+    (one preprocessed image) checks that the student's decoder reads the package's encoder output."""
+    from pipeline.export.build import build_graphs
+
+    if student.tokenizer_kind() != "bpe":
+        raise PipelineError(f"export.drafter=student: the student model reads with a {student.tokenizer_kind()!r} "
+                            f"vocabulary, not a formula BPE (export.draft_model: a stage distill model)")
+    built = build_graphs(student, target, simplify, None, progress, model_key)
+    if built.violations:
+        shown = "; ".join(str(v) for v in built.violations[:3])
+        raise PipelineError(f"export.drafter=student: the student's graphs break the {target.name} rules: {shown}")
+    for key, graph in (("first", "decoder_first"), ("step", "decoder_step")):
+        onnx.save(built.models[graph], str(folder / STUDENT_GRAPHS[key]))
+    num_layers = sum(1 for i in built.models["decoder_step"].graph.input if i.name.startswith("past_key_"))
+    bpe_texts = [student.tokenizer.decode([i]) for i in range(student.vocab_size)]
+    entry = {**STUDENT_GRAPHS, "step_inputs": [i.name for i in built.models["decoder_step"].graph.input],
+             "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
+             "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
+             "pieces": spell(bpe_texts, token_texts(package))}
+    reader = drafting.StudentReader(package._drafter_graph(entry["first"]), package._drafter_graph(entry["step"]),
+                                    entry["step_inputs"], num_layers, entry["bos"], entry["eos"], entry["banned"],
+                                    entry["pieces"], entry["max_tokens"])
+    try:
+        reader(package.encode(probe[None]))
+    except Exception as exc:  # onnxruntime's own exception types: a memory of another shape
+        raise PipelineError(f"export.drafter=student: the student's decoder does not read this package's encoder "
+                            f"output ({str(exc).splitlines()[0]})") from None
+    return entry
+
+
+def guided(ngram: drafting.NgramDrafter, student: dict, min_match: int) -> drafting.StudentDrafter:
+    """The student drafter: ``ngram``'s table where the guide does not match; ``student``: its
+    :func:`student_graphs` entry."""
+    return drafting.StudentDrafter.from_ngram(ngram, student, min_match)
 
 
 def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
@@ -101,4 +152,4 @@ def check(folder: Path, images: np.ndarray, plain_ids: Sequence[Sequence[int]], 
             "differing": differing, "tie_margins": margins, "max_tie_margin": max(margins, default=0.0),
             "seconds": round(time.perf_counter() - started, 1),
             **{k: stats[k] for k in ("calls_per_reading", "tokens_per_reading", "tokens_per_call",
-                                     "accepted_per_verify", "acceptance")}}
+                                     "accepted_per_verify", "acceptance", "drafter_calls_per_reading")}}

@@ -162,7 +162,7 @@ class OnnxPackage:
             raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
         texts = [self.tokenizer.decode([i]) for i in range(self._vocab())]
         try:
-            drafter, draft_len = drafting.load(path, texts)
+            drafter, draft_len = drafting.load(path, texts, open_graph=self._drafter_graph)
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
         width = self.verify_width
@@ -170,6 +170,20 @@ class OnnxPackage:
             raise PipelineError(f"package {self.folder}: the drafter's draft_len {draft_len} does not fit the "
                                 f"verify graph's width {width} (the last written token + {width - 1} drafts)")
         return drafter, draft_len
+
+    def _drafter_graph(self, name: str):
+        """An ONNX Runtime session of a graph the drafter names (a file in the package), with the
+        package's session options."""
+        import onnxruntime as ort
+
+        path = self.folder / Path(name).name
+        if not path.is_file():
+            raise PipelineError(f"package {self.folder} is incomplete: the drafter's {path.name} missing")
+        so, providers = self._session_args
+        try:
+            return ort.InferenceSession(str(path), so, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise PipelineError(f"the drafter: ONNX Runtime cannot load {path.name}: {str(exc).splitlines()[0]}") from None
 
     @property
     def verify_width(self) -> int:
@@ -313,9 +327,12 @@ class OnnxPackage:
         if self.layout_run_cap:
             guard = self.layout_guard(self._vocab())
         propose = self.drafter.propose if drafted else (lambda ids, k: [])
+        stats = self.spec_stats if stats is None else stats
+        if drafted and hasattr(self.drafter, "begin"):  # a drafter that reads the image first (the student)
+            stats.drafter_calls += self.drafter.begin(memory)
         return speculative_greedy(lambda ids: self.first(ids, memory), self.verify, propose,
                                   self.bos, self.eos, self.banned, max_length, self.draft_len if drafted else 0,
-                                  guard, self.spec_stats if stats is None else stats)
+                                  guard, stats)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         """Plain greedy decoding of a batch (:func:`pipeline.decoding.greedy`) on this package's

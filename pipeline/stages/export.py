@@ -80,12 +80,16 @@ class ExportConfig:
     # speculative decoding (docs/export.md): the package's drafter, checked against its plain greedy readings
     drafter: str = "none"                # none: plain greedy (every package still holds decoder_verify) | ngram
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
-                                         # formula BPE). Off by default: on this CPU a verify call costs a step
+                                         # formula BPE) | student (stage distill's BPE student reads the image
+                                         # first, its reading guides the drafts; the ngram table where it does not
+                                         # match). Off by default: on this CPU a verify call costs a step
                                          # + ~0.15 ms a token, so 2.9x / 2.6x fewer calls gave 1.31x / 1.18x decoder
                                          # ms and 1.12x / 1.09x end to end on the whole eval / shift splits, its
                                          # readings are the verify graph's greedy ones (4-5 % differ from the step
                                          # graph's at near-ties), and drafting from the train split adds minutes
                                          # to the chain (2026-12-05; docs/export.md, "Speculative decoding")
+    draft_model: str = "distill"         # export.drafter=student: the BPE student (a stage with a model, a folder)
+    student_min_match: int = 2           # ... the last tokens written must occur in its guide this long or longer
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     # train formulas the package reads to build the ngram drafter (null: the whole split; 1,779 readings
@@ -239,7 +243,7 @@ def validate(cfg: ExportConfig) -> None:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
     if cfg.drafter not in spec.KINDS:
         raise PipelineError(f"export.drafter: unknown {cfg.drafter!r}; known: {', '.join(spec.KINDS)}")
-    for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count"):
+    for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count", "student_min_match"):
         if getattr(cfg, key) is not None and int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.speculative_tie_margin < 0:
@@ -251,13 +255,16 @@ def validate(cfg: ExportConfig) -> None:
     if not 0 <= cfg.ngram_self_lookup <= cfg.ngram_order:
         raise PipelineError(f"export.ngram_self_lookup must be 0 (off) or 1..export.ngram_order "
                             f"({cfg.ngram_order}), got {cfg.ngram_self_lookup}")
+    if cfg.drafter == "student" and cfg.student_min_match > cfg.ngram_order:
+        raise PipelineError(f"export.student_min_match must be <= export.ngram_order ({cfg.ngram_order}), "
+                            f"got {cfg.student_min_match}")
     if cfg.draft_len > VERIFY_WIDTH - 1:
         raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
                             f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
 
 
 def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage, folder: Path, name: str,
-             model_key: str, drafts: dict) -> dict:
+             model_key: str, drafts: dict, target, probe) -> dict:
     """Build the package's drafter, write it into ``folder`` (package ``name`` once published); returns
     where it came from."""
     mcfg = ctx.cfg.model
@@ -284,6 +291,12 @@ def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage
         source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
                   "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "self_lookup": cfg.ngram_self_lookup,
                   "min_confidence": cfg.ngram_min_confidence, "contexts": len(drafter.table)}
+        if cfg.drafter == "student":
+            student = ctx.load_model(cfg.draft_model)
+            entry = spec.student_graphs(student, target, cfg.simplify, ctx.model_hash(cfg.draft_model), package,
+                                        folder, probe)
+            drafter = spec.guided(drafter, entry, cfg.student_min_match)
+            source.update({"student": cfg.draft_model, "min_match": cfg.student_min_match})
     spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
     return source
 
@@ -311,6 +324,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         inputs["qdq_encoder"] = file_hash(qdq_path)
     for g, path in int8_decoders.items():
         inputs[f"int8_{g}"] = file_hash(path)
+    if cfg.drafter == "student":  # the student's weights make the drafter; a missing one: before the work
+        inputs["draft_model"] = ctx.model_hash(cfg.draft_model)
     # one package: which others the run also makes (targets, baselines) is not part of its config
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines", "baseline_parity_limit")},
               "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, **ctx.decoding_key(),
@@ -361,7 +376,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
                         f"verify graph (run stage=quantize again for it)")
         elif cfg.drafter != "none" and not failures:
             source = _drafter(cfg, ctx, adapter, package, out.path, name, inputs["model"],
-                              {} if drafts is None else drafts)
+                              {} if drafts is None else drafts, target, calib_items[0][2].numpy())
             speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
                            **spec.check(out.path, torch.stack([x[2] for x in eval_items]).numpy(), tokens.package_ids,
                                         max_length, int(mcfg.threads or 0))}
