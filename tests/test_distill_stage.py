@@ -207,7 +207,7 @@ def test_a_student_drafter_reads_the_image_first_and_the_package_still_writes_gr
         export.run(OmegaConf.to_object(fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'none'}"]).cfg.export),
                    fake_ctx(tmp_path, common))
     ctx = fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'tiny'}"])
-    with pytest.raises(PipelineError, match="not a formula BPE"):  # a char model is no student
+    with pytest.raises(PipelineError, match="not a formula BPE student"):  # a char model is no student
         export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
     assert not (tmp_path / "export-ort_cpu").exists()
     ctx = fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'student'}", "export.targets=[ort_cpu,metax]"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import onnx
 import torch
@@ -41,11 +41,14 @@ class BuiltGraphs:
 
 
 def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[Path], progress,
-                 model_key: Optional[str] = None, int8_decoders: Optional[dict[str, Path]] = None) -> BuiltGraphs:
-    """The target's graphs. ``qdq_encoder``: a QDQ encoder used instead of the float one;
-    ``int8_decoders``: decoder graphs stage quantize already made final for this target (ORT's
+                 model_key: Optional[str] = None, int8_decoders: Optional[dict[str, Path]] = None,
+                 only: Optional[Sequence[str]] = None) -> BuiltGraphs:
+    """The target's graphs (``only``: these of them). ``qdq_encoder``: a QDQ encoder used instead of the
+    float one; ``int8_decoders``: decoder graphs stage quantize already made final for this target (ORT's
     dynamic INT8 on ort_cpu), used as they are."""
     graphs = exported_graphs(adapter, target.opset, model_key)  # 1. trace
+    if only is not None:
+        graphs = {g: m for g, m in graphs.items() if g in only}
     progress("exported")
     hist: dict[str, dict[str, dict[str, int]]] = {g: {"exported": op_histogram(m)} for g, m in graphs.items()}
     precision = {g: ("fp16" if target.fp16_weights else "fp32") for g in graphs}

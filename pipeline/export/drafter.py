@@ -55,6 +55,15 @@ def spell(texts: Sequence[str], into: Sequence[str]) -> list[list[int]]:
     return [[ids[ch] for ch in text if ch in ids] for text in texts]
 
 
+def check_student(folder: Path | None, ref: str) -> None:
+    """A student drafter's model: a saved model folder whose tokenizer is a formula BPE (stage distill's)."""
+    from pipeline.tokenization.bpe import is_bpe_file
+
+    if folder is None or not is_bpe_file(Path(folder) / "tokenizer.json"):
+        raise PipelineError(f"export.drafter=student: export.draft_model={ref} is not a formula BPE student "
+                            f"(run stage=distill, or name its model folder)")
+
+
 def student_graphs(student, target, simplify: bool, model_key: str, package: OnnxPackage, folder: Path,
                    probe: np.ndarray, progress=lambda _: None) -> dict:
     """The student's ``decoder_first`` and ``decoder_step`` for ``target``, written into the package
@@ -64,8 +73,8 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
 
     if student.tokenizer_kind() != "bpe":
         raise PipelineError(f"export.drafter=student: the student model reads with a {student.tokenizer_kind()!r} "
-                            f"vocabulary, not a formula BPE (export.draft_model: a stage distill model)")
-    built = build_graphs(student, target, simplify, None, progress, model_key)
+                            f"vocabulary, not a formula BPE (run stage=distill, or name its model folder)")
+    built = build_graphs(student, target, simplify, None, progress, model_key, only=("decoder_first", "decoder_step"))
     if built.violations:
         shown = "; ".join(str(v) for v in built.violations[:3])
         raise PipelineError(f"export.drafter=student: the student's graphs break the {target.name} rules: {shown}")

@@ -326,6 +326,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         inputs[f"int8_{g}"] = file_hash(path)
     if cfg.drafter == "student":  # the student's weights make the drafter; a missing one: before the work
         inputs["draft_model"] = ctx.model_hash(cfg.draft_model)
+        spec.check_student(ctx.model_folder(cfg.draft_model), cfg.draft_model)
     # one package: which others the run also makes (targets, baselines) is not part of its config
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines", "baseline_parity_limit")},
               "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, **ctx.decoding_key(),
