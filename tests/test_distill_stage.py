@@ -216,6 +216,8 @@ def test_a_student_drafter_reads_the_image_first_and_the_package_still_writes_gr
     drafter = json.loads((folder / "drafter.json").read_text())
     assert drafter["kind"] == "student" and drafter["source"]["student"] == str(tmp_path / "student")
     assert (folder / drafter["student"]["first"]).is_file() and (folder / drafter["student"]["step"]).is_file()
+    assert drafter["student"]["precision"] == "int8 dynamic"  # a CPU target: export.draft_int8
+    assert json.loads((tmp_path / "export-metax" / "drafter.json").read_text())["student"]["precision"] == "fp16"
     parity = json.loads((folder / "parity.json").read_text())["speculative"]
     assert parity["identical_verify_greedy"] == 1.0 and parity["drafter_calls_per_reading"] >= 1
 
@@ -226,7 +228,13 @@ def test_a_student_drafter_reads_the_image_first_and_the_package_still_writes_gr
     got = pkg.generate(images, 24, batch_size=1)
     assert got.token_ids == pkg.verify_greedy(images, 24).token_ids
     assert pkg.spec_stats.drafter_calls >= 4
-    # the guide is the student's own greedy reading of the image, in the package's characters
+    # the guide is the student's own greedy reading of the image, in the package's characters (its float
+    # graphs: export.draft_int8=false)
+    ctx = fake_ctx(tmp_path, [*common, f"export.draft_model={tmp_path / 'student'}", "export.draft_int8=false",
+                              "export.name=float-student"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    pkg = OnnxPackage(tmp_path / "float-student", threads=1)
+    assert json.loads((tmp_path / "float-student" / "drafter.json").read_text())["student"]["precision"] == "fp32"
     texts = [pkg.tokenizer.decode([i]) for i in range(pkg._vocab())]
     want = student.generate(torch.from_numpy(images), 24, batch_size=1, use_cache=True).texts
     for image, text in zip(images, want):

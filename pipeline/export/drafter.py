@@ -65,10 +65,12 @@ def check_student(folder: Path | None, ref: str) -> None:
 
 
 def student_graphs(student, target, simplify: bool, model_key: str, package: OnnxPackage, folder: Path,
-                   probe: np.ndarray, progress=lambda _: None) -> dict:
+                   probe: np.ndarray, int8: bool = False, progress=lambda _: None) -> dict:
     """The student's ``decoder_first`` and ``decoder_step`` for ``target``, written into the package
-    ``folder`` (:data:`STUDENT_GRAPHS`), and the ``student`` entry of its ``drafter.json``. ``probe``
-    (one preprocessed image) checks that the student's decoder reads the package's encoder output."""
+    ``folder`` (:data:`STUDENT_GRAPHS`), and the ``student`` entry of its ``drafter.json``. ``int8``: every
+    weighted MatMul of both in ONNX Runtime's dynamic INT8 (per-channel symmetric weights, activations
+    per tensor at run time; a drafter proposes, it need not read as the float student). ``probe`` (one
+    preprocessed image) checks that the student's decoder reads the package's encoder output."""
     from pipeline.export.build import build_graphs
 
     if student.tokenizer_kind() != "bpe":
@@ -79,10 +81,14 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
         shown = "; ".join(str(v) for v in built.violations[:3])
         raise PipelineError(f"export.drafter=student: the student's graphs break the {target.name} rules: {shown}")
     for key, graph in (("first", "decoder_first"), ("step", "decoder_step")):
-        onnx.save(built.models[graph], str(folder / STUDENT_GRAPHS[key]))
+        if int8:
+            _dynamic_int8(built.models[graph], folder / STUDENT_GRAPHS[key])
+        else:
+            onnx.save(built.models[graph], str(folder / STUDENT_GRAPHS[key]))
     num_layers = sum(1 for i in built.models["decoder_step"].graph.input if i.name.startswith("past_key_"))
     bpe_texts = [student.tokenizer.decode([i]) for i in range(student.vocab_size)]
-    entry = {**STUDENT_GRAPHS, "step_inputs": [i.name for i in built.models["decoder_step"].graph.input],
+    entry = {**STUDENT_GRAPHS, "precision": "int8 dynamic" if int8 else built.precision["decoder_step"],
+             "step_inputs": [i.name for i in built.models["decoder_step"].graph.input],
              "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
              "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
              "pieces": spell(bpe_texts, token_texts(package))}
@@ -95,6 +101,18 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
         raise PipelineError(f"export.drafter=student: the student's decoder does not read this package's encoder "
                             f"output ({str(exc).splitlines()[0]})") from None
     return entry
+
+
+def _dynamic_int8(model: onnx.ModelProto, out: Path) -> None:
+    import tempfile
+
+    from pipeline.quantization.decoder import quantize_cross_kv, to_matmul, weight_nodes
+
+    model = to_matmul(model)
+    with tempfile.TemporaryDirectory(prefix="student-") as tmp:
+        src = Path(tmp) / out.name
+        onnx.save(model, str(src))
+        quantize_cross_kv(src, out, list(weight_nodes(model)))
 
 
 def guided(ngram: drafting.NgramDrafter, student: dict, min_match: int) -> drafting.StudentDrafter:

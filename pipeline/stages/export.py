@@ -90,6 +90,7 @@ class ExportConfig:
                                          # to the chain (2026-12-05; docs/export.md, "Speculative decoding")
     draft_model: str = "distill"         # export.drafter=student: the BPE student (a stage with a model, a folder)
     student_min_match: int = 2           # ... the last tokens written must occur in its guide this long or longer
+    draft_int8: bool = True              # ... its graphs in dynamic INT8 on a CPU target (float: fp32 / fp16 elsewhere)
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     # train formulas the package reads to build the ngram drafter (null: the whole split; 1,779 readings
@@ -294,7 +295,7 @@ def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage
         if cfg.drafter == "student":
             student = ctx.load_model(cfg.draft_model)
             entry = spec.student_graphs(student, target, cfg.simplify, ctx.model_hash(cfg.draft_model), package,
-                                        folder, probe)
+                                        folder, probe, int8=cfg.draft_int8 and target.provider == "CPUExecutionProvider")
             drafter = spec.guided(drafter, entry, cfg.student_min_match)
             source.update({"student": cfg.draft_model, "min_match": cfg.student_min_match})
     spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
