@@ -21,7 +21,8 @@ built by stage export from artifacts the chain already makes (never from the eva
   decoder's characters is the *guide*; where the last tokens written (``min_match`` or more) occur in
   the guide, what follows them there is proposed (the occurrence nearest after the last one followed);
   elsewhere (the display wrapper the student does not write, a place the two readings part) the
-  ``ngram`` table above proposes.
+  ``ngram`` table above proposes, and where it proposes nothing before the guide was reached, the
+  guide's start.
 
 No torch and no other module of this project here: the package runtime loads it, and so does
 ``tests/macart_decode.py`` (the ONNX Runtime 1.12 venv), by file path. :data:`DRAFTERS` is the
@@ -249,7 +250,7 @@ class StudentDrafter(NgramDrafter):
         for end in range(1, len(guide)):
             for n in range(self.min_match, min(self.order, end) + 1):
                 ends[tuple(guide[end - n:end])].append(end)
-        self._local.guide, self._local.ends, self._local.cursor = guide, ends, 0
+        self._local.guide, self._local.ends, self._local.cursor, self._local.entered = guide, ends, 0, False
 
     def _guided(self, ids: Sequence[int], k: int) -> list[int]:
         mine = self._local
@@ -261,12 +262,18 @@ class StudentDrafter(NgramDrafter):
             if at:
                 ahead = [e for e in at if e >= mine.cursor]
                 end = ahead[0] if ahead else at[-1]
-                mine.cursor = end
+                mine.cursor, mine.entered = end, True
                 return guide[end:end + k]
         return []
 
     def propose(self, ids: Sequence[int], k: int) -> list[int]:
-        return self._guided(ids, k) or super().propose(ids, k)
+        """The guide where the last tokens occur in it; else the table; else, while the reading has not
+        reached the guide yet (the display wrapper, which the student does not write, just ended), the
+        guide's start."""
+        out = self._guided(ids, k) or super().propose(ids, k)
+        if not out and not getattr(self._local, "entered", True):
+            out = self._local.guide[:k]
+        return out
 
     def to_json(self) -> dict:
         return {**super().to_json(), "min_match": self.min_match, "student": self.student}

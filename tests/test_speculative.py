@@ -194,14 +194,17 @@ def test_student_drafter_follows_its_guide_and_falls_back_to_the_table(tmp_path)
     d.reader = lambda memory: (guide, 3)
     assert d.begin(np.zeros((1, 4, 2), dtype=np.float32)) == 3
     assert d.propose([BOS, 5], 3) == [6, 7, EOS]                        # not in the guide: the table
+    assert d.propose([BOS, 8, 9], 3) == [10, 11, 12]                    # nor the table, guide not reached: its start
     assert d.propose([BOS, 9, 10, 11], 3) == [12, 13, 10]               # the first 10 11
     assert d.propose([BOS, 9, 10, 11, 12, 13, 10, 11], 3) == [14, 15]   # the longer context: the second
     assert d.propose([BOS, 9, 10, 11], 3) == [14, 15]                   # 10 11 again: the one after the last followed
     assert d.propose([BOS, 11, 12], 8) == [13, 10, 11, 14, 15]          # to the guide's end
     assert d.propose([BOS, 3, 10], 3) == []                             # one token of context: below min_match
-    d.reader = lambda memory: ([20, 21], 1)                             # the next reading: its own guide
+                                                                        # (the guide was reached: not its start)
+    d.reader = lambda memory: ([20, 21, 22], 1)                         # the next reading: its own guide
     d.begin(None)
-    assert d.propose([BOS, 10, 11], 3) == [] and d.propose([BOS, 20], 3) == []
+    assert d.propose([BOS, 10, 11], 3) == [20, 21, 22]                  # nothing of the last one: this one's start
+    assert d.propose([BOS, 20, 21], 3) == [22] and d.propose([BOS, 8, 9], 3) == []
     drafting.save(d, tmp_path / "drafter.json", 4, {})
     back, draft_len = drafting.load(tmp_path / "drafter.json")       # no graphs to open: no reader
     assert draft_len == 4 and back.kind == "student" and back.student == {"first": "f.onnx"}
