@@ -12,6 +12,13 @@ setting of each drafter kind on calib is then run on those splits too (exact cal
 milliseconds): a check of the choice, never an input to it (the benchmark stage measures the
 package's own drafter there).
 
+``--student-bound`` adds what a perfect student drafter (``export.drafter=student``) could do with the
+best ngram setting: its guide is the reading itself, display wrapper stripped as the student's BPE
+strips it ("student bound"), or whole ("student bound, wrapper kept"). The package's calls and
+milliseconds it prints leave out the student's own reading (a decoder of the same size, a few BPE steps
+and its first call a formula): a student pays only where that costs less than the milliseconds the
+bound saves against the ngram drafter.
+
     python benchmarks/speculative.py artifacts/export-ort_cpu artifacts/corpus/formulas.jsonl \
         artifacts/corpus-shift/formulas.jsonl --train 256 --calib 256 --orders 4 6 8 12 \
         --min-counts 1 2 3 --draft-lens 2 4 6 8 --bpe artifacts/tokenizer/tokenizer.json --check eval shift
@@ -93,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", nargs="*", default=[], help="splits the best setting of each kind is checked on")
     ap.add_argument("--check-limit", type=int, default=None, help="formulas per checked split (default: all)")
     ap.add_argument("--bpe", type=Path, default=None, help="stage tokenizer's tokenizer.json: also the bpe drafter")
+    ap.add_argument("--student-bound", action="store_true",
+                    help="also a perfect student's guide (the reading itself) with the best ngram setting")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
     args = ap.parse_args(argv)
@@ -131,9 +140,13 @@ def main(argv=None) -> int:
                     drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c)
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
-    def judge(drafter, k: int, split: str) -> dict:
+    def judge(drafter, k: int, split: str, guide=None) -> dict:
         greedy_calls = float(np.mean([len(r) for r in readings[split]]))
-        widths = [simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab) for r in readings[split]]
+        widths = []
+        for r in readings[split]:
+            if guide is not None:  # a student drafter: its guide for this reading
+                drafter.follow(guide(r))
+            widths.append(simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab))
         calls = float(np.mean([1 + len(w) for w in widths]))
         ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
         drafted = sum(x - 1 for w in widths for x in w)
@@ -160,6 +173,23 @@ def main(argv=None) -> int:
         for split in args.check:
             checks.append({"drafter": best["drafter"], "draft_len": best["draft_len"], "split": split,
                            "n": len(readings[split]), **judge(drafters[best["drafter"]], best["draft_len"], split)})
+    if args.student_bound:
+        from pipeline.tokenization.atoms import normalize_formula
+
+        best = next(r for r in table if r["drafter"].startswith("ngram"))
+        texts = token_texts(package)
+        spelled = {t: i for i, t in enumerate(texts) if t}
+
+        def stripped(reading):
+            return [spelled[c] for c in normalize_formula(package.tokenizer.decode(reading)) if c in spelled]
+
+        ngram = drafters[best["drafter"]]
+        student = drafting.StudentDrafter.from_ngram(ngram, {}, min(2, ngram.order))  # export.student_min_match
+        for label, guide in (("student bound", stripped), ("student bound, wrapper kept", lambda r: list(r))):
+            for split in ["calib", *args.check]:
+                checks.append({"drafter": f"{label} ({best['drafter']})", "draft_len": best["draft_len"],
+                               "split": split, "n": len(readings[split]),
+                               **judge(student, best["draft_len"], split, guide)})
     if checks:
         print(f"\nthe best setting of each kind on calib, checked (calls exact, ms estimated from the timed calls):")
         print(f"{'drafter':36s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "

@@ -376,7 +376,7 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
                            str(tmp_path / "formulas.jsonl"), "--train", "6", "--calib", "4", "--orders", "1", "3",
                            "--min-counts", "1", "--draft-lens", "1", "4", "--check", "eval", "--max-length", "8",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--student-bound", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = json.loads(out.read_text())
     assert {(r["drafter"], r["draft_len"]) for r in table["rows"]} == \
@@ -384,7 +384,14 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
     assert [r["est_decoder_ms"] for r in table["rows"]] == sorted(r["est_decoder_ms"] for r in table["rows"])
     for r in table["rows"] + table["checks"]:
         assert 1 <= r["calls_per_formula"] <= r["greedy_calls"] and r["accepted_per_verify"] >= 0
-    assert [(c["split"], c["n"]) for c in table["checks"]] == [("eval", 6)]
+    best, *bounds = table["checks"]
+    assert (best["split"], best["n"]) == ("eval", 6) and best["drafter"].startswith("ngram")
+    # a perfect student's guide (the reading itself, with and without what the BPE strips), on calib and eval
+    assert [(b["drafter"].split(" (")[0], b["split"]) for b in bounds] == [
+        ("student bound", "calib"), ("student bound", "eval"), ("student bound, wrapper kept", "calib"),
+        ("student bound, wrapper kept", "eval")]
+    kept = bounds[3]  # the guide is what the package writes: every draft passes, never more calls than the table's
+    assert kept["draft_len"] == best["draft_len"] and kept["calls_per_formula"] <= best["calls_per_formula"]
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
                           str(tmp_path / "formulas.jsonl"), "--check", "shift"], capture_output=True, text=True,
                          timeout=300)
