@@ -82,7 +82,8 @@ class ExportConfig:
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
                                          # formula BPE) | student (stage distill's BPE student reads the image
                                          # first, its reading guides the drafts; the ngram table where it does not
-                                         # match). Off by default: on this CPU a verify call costs a step
+                                         # match; 3.8x / 3.5x fewer package calls but +13 / +21 student calls:
+                                         # 0.97x / 0.94x decoder ms, docs/export.md). Off by default: on this CPU a verify call costs a step
                                          # + ~0.15 ms a token, so 2.9x / 2.6x fewer calls gave 1.31x / 1.18x decoder
                                          # ms and 1.12x / 1.09x end to end on the whole eval / shift splits, its
                                          # readings are the verify graph's greedy ones (4-5 % differ from the step
