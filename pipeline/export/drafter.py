@@ -92,7 +92,7 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
              "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
              "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
              "pieces": spell(bpe_texts, token_texts(package))}
-    reader = drafting.StudentReader(package._drafter_graph(entry["first"]), package._drafter_graph(entry["step"]),
+    reader = drafting.StudentReader(package.drafter_graph(entry["first"]), package.drafter_graph(entry["step"]),
                                     entry["step_inputs"], num_layers, entry["bos"], entry["eos"], entry["banned"],
                                     entry["pieces"], entry["max_tokens"])
     try:

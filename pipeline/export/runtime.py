@@ -162,7 +162,7 @@ class OnnxPackage:
             raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
         texts = [self.tokenizer.decode([i]) for i in range(self._vocab())]
         try:
-            drafter, draft_len = drafting.load(path, texts, open_graph=self._drafter_graph)
+            drafter, draft_len = drafting.load(path, texts, open_graph=self.drafter_graph)
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
         width = self.verify_width
@@ -171,7 +171,7 @@ class OnnxPackage:
                                 f"verify graph's width {width} (the last written token + {width - 1} drafts)")
         return drafter, draft_len
 
-    def _drafter_graph(self, name: str):
+    def drafter_graph(self, name: str):
         """An ONNX Runtime session of a graph the drafter names (a file in the package), with the
         package's session options."""
         import onnxruntime as ort
