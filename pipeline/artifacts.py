@@ -104,10 +104,12 @@ def stage_output(root: Path, name: str, config: dict[str, Any], inputs: dict[str
             yield StageOutput(path=final, manifest=old, reused=True, metrics=old.get("metrics", {}))
             return
     _make_root(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    with interrupts.recorded():  # a signal right after the folder is made must not leave it behind
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     started = time.time()
     out = StageOutput(path=tmp, manifest={})
     try:
+        interrupts.check(f"before {name}")
         yield out
         manifest = {
             "stage": name,
@@ -190,8 +192,10 @@ def atomic_write_dir(final: Path) -> contextlib.AbstractContextManager[Path]:
     @contextlib.contextmanager
     def _ctx() -> Iterator[Path]:
         _make_root(final.parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+        with interrupts.recorded():
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
+            interrupts.check(f"before {final.name}")
             yield tmp
             os.chmod(tmp, 0o755)
             _replace_dir(tmp, final)

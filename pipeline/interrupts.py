@@ -104,6 +104,19 @@ def publishing(what: str) -> Iterator[None]:
                           f"nothing after it ran")
 
 
+@contextlib.contextmanager
+def recorded() -> Iterator[None]:
+    """A signal during the block is only recorded (the next :func:`check` raises): for a step whose
+    result must be in hand before it can be undone (a temporary folder: made, then cleaned on failure)."""
+    global _publishing
+    before = _publishing
+    _publishing = True
+    try:
+        yield
+    finally:
+        _publishing = before
+
+
 def worker_init() -> None:
     """Process-pool workers: the parent alone handles Ctrl-C (the whole process group gets it) and a
     SIGTERM from the pool's own terminate() ends a worker silently, never with a traceback."""

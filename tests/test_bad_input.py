@@ -198,6 +198,35 @@ def test_a_swallowed_interrupt_still_refuses_to_publish(tmp_path):
     assert tree_digest(tmp_path / "demo") == before and leftovers(tmp_path) == []
 
 
+def test_a_signal_as_the_temporary_folder_is_made_leaves_no_folder(tmp_path, monkeypatch):
+    """A signal right after ``mkdtemp`` made the stage's (or a file's) temporary folder, before the code
+    that cleans it up holds it: recorded there, raised inside, the folder removed (a CI run once caught
+    an export there: its .tmp-export-* stayed)."""
+    import tempfile
+
+    from pipeline import interrupts
+    from pipeline.artifacts import atomic_write_dir, stage_output
+    from pipeline.errors import Interrupted
+
+    made = tempfile.mkdtemp
+
+    def signalled(*args, **kwargs):
+        path = made(*args, **kwargs)
+        interrupts._handler(signal.SIGTERM, None)  # what the signal does, the folder just made
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", signalled)
+    for opened in (lambda: stage_output(tmp_path, "demo", {"v": 1}, {}), lambda: atomic_write_dir(tmp_path / "file")):
+        interrupts.reset()
+        try:
+            with pytest.raises(Interrupted, match="SIGTERM"):
+                with opened():
+                    pytest.fail("the work ran after the signal")
+        finally:
+            interrupts.reset()
+        assert leftovers(tmp_path) == [] and not (tmp_path / "demo").exists()
+
+
 def test_a_signal_inside_an_import_is_recorded_and_raised_after_it(tmp_path, monkeypatch):
     """A native module's initialisation that calls back into Python cannot carry the KeyboardInterrupt out
     (the process aborts: "terminate called ..."): inside an import the handler only records it, and the
