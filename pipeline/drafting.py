@@ -192,6 +192,13 @@ class StudentReader:
         self.pieces = [list(p) for p in pieces]
         self.max_tokens = int(max_tokens)
 
+    @classmethod
+    def from_entry(cls, student: dict, open_graph: Callable[[str], object]) -> "StudentReader":
+        """From a ``drafter.json``'s ``student`` entry; ``open_graph(file name)``: a session of that graph."""
+        return cls(open_graph(student["first"]), open_graph(student["step"]), student["step_inputs"],
+                   student["num_layers"], student["bos"], student["eos"], student["banned"], student["pieces"],
+                   student["max_tokens"])
+
     def __call__(self, memory: np.ndarray) -> tuple[list[int], int]:
         """(the guide's token ids, the student's decoder calls)."""
         outs = self.first.run(None, {"input_ids": np.full((1, 1), self.bos, dtype=np.int64), "memory": memory})
@@ -284,11 +291,7 @@ class StudentDrafter(NgramDrafter):
         the table alone)."""
         ngram = NgramDrafter.from_json(data)
         student = dict(data["student"])
-        reader = None
-        if open_graph is not None:
-            reader = StudentReader(open_graph(student["first"]), open_graph(student["step"]), student["step_inputs"],
-                                   student["num_layers"], student["bos"], student["eos"], student["banned"],
-                                   student["pieces"], student["max_tokens"])
+        reader = None if open_graph is None else StudentReader.from_entry(student, open_graph)
         return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence, reader,
                    int(data.get("min_match", 2)), student)
 

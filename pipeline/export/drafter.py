@@ -92,9 +92,7 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
              "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
              "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
              "pieces": spell(bpe_texts, token_texts(package))}
-    reader = drafting.StudentReader(package.drafter_graph(entry["first"]), package.drafter_graph(entry["step"]),
-                                    entry["step_inputs"], num_layers, entry["bos"], entry["eos"], entry["banned"],
-                                    entry["pieces"], entry["max_tokens"])
+    reader = drafting.StudentReader.from_entry(entry, package.drafter_graph)  # a graph it cannot load: its own line
     try:
         reader(package.encode(probe[None]))
     except Exception as exc:  # onnxruntime's own exception types: a memory of another shape

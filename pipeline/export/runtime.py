@@ -174,16 +174,10 @@ class OnnxPackage:
     def drafter_graph(self, name: str):
         """An ONNX Runtime session of a graph the drafter names (a file in the package), with the
         package's session options."""
-        import onnxruntime as ort
-
         path = self.folder / Path(name).name
         if not path.is_file():
             raise PipelineError(f"package {self.folder} is incomplete: the drafter's {path.name} missing")
-        so, providers = self._session_args
-        try:
-            return ort.InferenceSession(str(path), so, providers=providers)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            raise PipelineError(f"the drafter: ONNX Runtime cannot load {path.name}: {str(exc).splitlines()[0]}") from None
+        return self._session("the drafter", path)
 
     @property
     def verify_width(self) -> int:
@@ -222,13 +216,18 @@ class OnnxPackage:
     def use_graph(self, graph: str, path: str | Path) -> None:
         """Run ``graph`` from ``path`` (same inputs and outputs): how a quantized encoder variant is
         tried against the package's decoder without writing a package per variant."""
+        self.sessions[graph] = self._session(graph, path)
+
+    def _session(self, what: str, path: str | Path):
+        """An ONNX Runtime session of ``path`` with the package's options; a graph it cannot load is one
+        error line."""
         import onnxruntime as ort
 
         so, providers = self._session_args
         try:
-            self.sessions[graph] = ort.InferenceSession(str(path), so, providers=providers)
+            return ort.InferenceSession(str(path), so, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise PipelineError(f"{graph}: ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from None
+            raise PipelineError(f"{what}: ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from None
 
     # ---- steps --------------------------------------------------------------------------------
     def preprocess(self, image: Image.Image) -> np.ndarray:
