@@ -691,6 +691,52 @@ def test_gemm_to_matmul_keeps_outputs(tmp_path):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_to_matmul_drops_the_flatten_and_unflatten_around_a_projection():
+    """Reshape [B, S, K] -> [B·S, K], Gemm, Reshape back (and a head split merged straight back): MatMul
+    reads [B, S, K] itself and writes the unflattened name; a flatten of another shape stays."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.quantization.decoder import to_matmul
+
+    rng = np.random.default_rng(1)
+    w1, b1, w2 = (rng.standard_normal(s).astype(np.float32) for s in ((8, 4), (8,), (4, 6)))
+    consts = {"flat": [-1, 4], "back": [-1, 3, 8], "split": [-1, 3, 2, 4], "merge": [0, 0, -1],
+              "flat4": [-1, 4], "back4": [2, 2, 3, 6]}
+    nodes = [helper.make_node("Reshape", ["x", "flat"], ["x2"], name="flatten"),
+             helper.make_node("Gemm", ["x2", "w1", "b1"], ["h2"], name="proj", transB=1),
+             helper.make_node("Reshape", ["h2", "back"], ["h"], name="unflatten"),
+             helper.make_node("Gemm", ["x2", "w1"], ["q2"], name="q_proj", transB=1),  # reads the same flatten
+             helper.make_node("Reshape", ["q2", "split"], ["q4"], name="split_heads"),
+             helper.make_node("Reshape", ["q4", "merge"], ["q"], name="merge_heads"),
+             # [2, 2, 3, 4] flattened: rank 4, the same last dim: MatMul reads it as well
+             helper.make_node("Reshape", ["y", "flat4"], ["y2"], name="flatten4"),
+             helper.make_node("Gemm", ["y2", "w2"], ["z2"], name="proj4"),
+             helper.make_node("Reshape", ["z2", "back4"], ["z"], name="unflatten4"),
+             # a flatten of [2, 3, 2, 2] to rows of 4 mixes two dimensions: it stays
+             helper.make_node("Reshape", ["v", "flat4"], ["v2"], name="flatten_mixed"),
+             helper.make_node("Gemm", ["v2", "w2"], ["u"], name="proj_mixed")]
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"))]
+    inits += [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, ["batch", 3, 4]),
+                                           helper.make_tensor_value_info("y", f, [2, 2, 3, 4]),
+                                           helper.make_tensor_value_info("v", f, [2, 3, 2, 2])],
+                              [helper.make_tensor_value_info(o, f, None) for o in ("h", "q", "z", "u")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "y": rng.standard_normal((2, 2, 3, 4)).astype(np.float32),
+            "v": rng.standard_normal((2, 3, 2, 2)).astype(np.float32)}
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    converted = to_matmul(onnx.ModelProto.FromString(model.SerializeToString()))
+    kept = [n.name for n in converted.graph.node if n.op_type == "Reshape"]
+    assert kept == ["flatten_mixed"]
+    matmuls = {n.name: list(n.input) for n in converted.graph.node if n.op_type == "MatMul"}
+    assert matmuls["proj/matmul"][0] == "x" and matmuls["q_proj/matmul"][0] == "x" and matmuls["proj4/matmul"][0] == "y"
+    got = ort.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_cross_kv_quantization_touches_only_the_named_nodes_and_keeps_their_outputs_close(tmp_path):
     from onnx import TensorProto, helper, numpy_helper
 
