@@ -396,3 +396,23 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
                           str(tmp_path / "formulas.jsonl"), "--check", "shift"], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "no formulas of split(s) shift" in bad.stderr
+
+
+def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path):
+    """benchmarks/decoder_call.py on the tiny package: the profiler's per-op kernel time, node counts,
+    and the session.run and IOBinding loops computing the same steps."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "call.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decoder_call.py"), str(root / "export-ort_cpu"),
+                           "--past", "3", "--steps", "4", "--repeats", "2", "--calls", "5", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())["packages"][str(root / "export-ort_cpu")]
+    assert got["same_logits"] is True
+    assert 0 < got["nodes_optimized"] <= got["nodes"]
+    assert "MultiHeadAttention" in got["by_op"] and 0 < got["kernels"] <= got["model_run"]
+    assert got["step_ms"] > 0 and got["step_ms_iobinding"] > 0
