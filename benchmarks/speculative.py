@@ -58,9 +58,10 @@ def widths_cost(package: OnnxPackage, max_width: int, past_len: int = 40, repeat
 
 
 def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, max_length: int,
-             vocab: int) -> list[int]:
+             vocab: int, min_drafts: int = 0) -> list[int]:
     """The widths of the verify calls speculative decoding makes for ``reading`` (the decoder's
-    greedy tokens), through the real loop with a decoder that writes the reading."""
+    greedy tokens), through the real loop with a decoder that writes the reading (``min_drafts``: the
+    package's free drafts, :attr:`OnnxPackage.free_drafts`)."""
     widths: list[int] = []
 
     def logits_at(position: int) -> np.ndarray:
@@ -77,7 +78,7 @@ def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, ma
         rows = [logits_at(start + j) for j in range(ids.shape[1])]
         return np.stack(rows)[None], [np.zeros((1, 1, start + ids.shape[1], 1), np.float32)]
 
-    got = speculative_greedy(first, verify, propose, bos, eos, [], max_length, draft_len)
+    got = speculative_greedy(first, verify, propose, bos, eos, [], max_length, draft_len, min_drafts=min_drafts)
     assert got == reading[:len(got)], "the loop must write the reading"
     return widths
 
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
         for r in readings[split]:
             if guide is not None:  # a student drafter: its guide for this reading
                 drafter.follow(guide(r))
-            widths.append(simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab))
+            widths.append(simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab,
+                                   package.free_drafts))
         calls = float(np.mean([1 + len(w) for w in widths]))
         ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
         drafted = sum(x - 1 for w in widths for x in w)

@@ -177,6 +177,12 @@ class VerifyCalls:
         if self.width < 2:
             raise ValueError(f"a verify graph reads at least 2 tokens, got width {self.width}")
 
+    @property
+    def free_drafts(self) -> int:
+        """Drafts a lone token's call checks at no cost: the row it is padded with (a fixed-width graph
+        sends a lone token to ``step``: none). The loop's ``min_drafts``."""
+        return 0 if self.fixed else 1
+
     def __call__(self, ids: np.ndarray, past: list, cross: list):
         n = ids.shape[1]
         if n > self.width:
@@ -193,9 +199,10 @@ class VerifyCalls:
         return logits[:, :n], present
 
 
-def speculative_greedy(first: Callable, verify: Callable, propose: Callable[[list[int], int], list[int]],
+def speculative_greedy(first: Callable, verify: Callable, propose: Callable[..., list[int]],
                        bos: int, eos: int, banned: Sequence[int], max_length: int, draft_len: int,
-                       guard: "LayoutGuard | None" = None, stats: SpeculativeStats | None = None) -> list[int]:
+                       guard: "LayoutGuard | None" = None, stats: SpeculativeStats | None = None,
+                       min_drafts: int = 0) -> list[int]:
     """One reading (batch 1), token for token what greedy decoding writes, in fewer decoder calls.
 
     ``first(ids [1, 1]) -> (logits [1, V], past, cross)``; ``verify(ids [1, T], past, cross) ->
@@ -205,7 +212,9 @@ def speculative_greedy(first: Callable, verify: Callable, propose: Callable[[lis
     choice is taken at every position (pad and BOS banned, the layout guard applied to the text so
     far), the drafts are accepted while they equal it, and the first choice that differs is written
     too: each call writes at least the one token a plain step would. The cache keeps only what was
-    written. ``max_length`` counts BOS, as greedy's cap does."""
+    written. ``max_length`` counts BOS, as greedy's cap does. ``min_drafts`` > 0: ``propose(ids, k,
+    at_least)`` proposes at least that many where it has any guess, however unsure (a lone token's call
+    is padded to two rows anyway: :attr:`VerifyCalls.free_drafts`; a guess there costs nothing)."""
     if max_length < 2:
         return []
     banned = list(banned)
@@ -225,8 +234,9 @@ def speculative_greedy(first: Callable, verify: Callable, propose: Callable[[lis
     limit = max_length - 1  # tokens a reading may write
     while seq[-1] != eos and len(seq) < limit:
         room = limit - len(seq)
-        drafts = [int(t) for t in propose([bos, *seq], min(draft_len, room - 1))][:max(0, room - 1)] \
-            if draft_len > 0 and room > 1 else []
+        k = min(draft_len, room - 1)
+        drafts = [] if k <= 0 else [int(t) for t in (propose([bos, *seq], k, min(min_drafts, k)) if min_drafts
+                                                     else propose([bos, *seq], k))][:k]
         fed = np.asarray([[seq[-1], *drafts]], dtype=np.int64)
         logits, present = verify(fed, past, cross)
         calls, verifies, drafted = calls + 1, verifies + 1, drafted + len(drafts)

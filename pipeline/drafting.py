@@ -99,7 +99,9 @@ class NgramDrafter:
         mine.seen = list(ids)
         return mine.own
 
-    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
+        """Up to ``k`` tokens after ``ids``, while the chain's confidence holds; the first ``at_least``
+        whatever the confidence (where the table has a continuation)."""
         own = self._own_table(list(ids)) if self.self_lookup else {}
         work = list(ids[-self.order:])
         out: list[int] = []
@@ -114,7 +116,7 @@ class NgramDrafter:
                     share = self.shares.get(context, 1.0)
                 if nxt is not None:
                     break
-            if nxt is None or confidence * share < self.min_confidence:
+            if nxt is None or (confidence * share < self.min_confidence and len(out) >= at_least):
                 break
             confidence *= share
             out.append(nxt)
@@ -162,7 +164,9 @@ class BpeDrafter:
                 completions.setdefault(piece[:i], piece[i:])
         return cls(completions, token_texts)
 
-    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
+        """The rest of the longest formula-BPE piece the text written ends inside (``at_least``: it has
+        no confidence to ignore)."""
         text = "".join(self.texts[i] if 0 <= i < len(self.texts) else "" for i in ids[-self.longest:])
         for n in range(min(self.longest, len(text)), 0, -1):
             rest = self.completions.get(text[-n:])
@@ -273,11 +277,11 @@ class StudentDrafter(NgramDrafter):
                 return guide[end:end + k]
         return []
 
-    def propose(self, ids: Sequence[int], k: int) -> list[int]:
-        """The guide where the last tokens occur in it; else the table; else, while the reading has not
-        reached the guide yet (the display wrapper, which the student does not write, just ended), the
-        guide's start."""
-        out = self._guided(ids, k) or super().propose(ids, k)
+    def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
+        """The guide where the last tokens occur in it; else the table (``at_least``: as the table
+        reads it); else, while the reading has not reached the guide yet (the display wrapper, which the
+        student does not write, just ended), the guide's start."""
+        out = self._guided(ids, k) or super().propose(ids, k, at_least)
         if not out and not getattr(self._local, "entered", True):
             out = self._local.guide[:k]
         return out

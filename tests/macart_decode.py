@@ -140,7 +140,8 @@ class Package:
 
         guard = self.layout_guard(vocab) if self.layout_run_cap else None
         return decoding.speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,
-                                           self.eos, self.banned, max_length, draft_len, guard, stats)
+                                           self.eos, self.banned, max_length, draft_len, guard, stats,
+                                           verify.free_drafts)
 
     def greedy(self, memory: np.ndarray, max_length: int) -> list:
         """``OnnxPackage._greedy``, line for line."""

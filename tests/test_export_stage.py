@@ -75,7 +75,7 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     assert s["identical_verify_greedy"] == 1.0 and s["verify_greedy_differing"] == []
     exact = plain.verify_greedy(images, MAX_LENGTH)
     assert exact.token_ids == got.token_ids and exact.calls == [len(t) for t in exact.token_ids]
-    fast.drafter.propose = lambda ids, k: [fast.bos] * k
+    fast.drafter.propose = lambda ids, k, at_least=0: [fast.bos] * k
     wrong = fast.generate(images, MAX_LENGTH, batch_size=1)
     assert wrong.token_ids == exact.token_ids and wrong.calls == exact.calls
 

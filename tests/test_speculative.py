@@ -178,6 +178,45 @@ def test_ngram_min_confidence_cuts_the_draft_where_the_chain_grows_unsure(tmp_pa
         drafting.NgramDrafter.build(readings, BOS, order=3, min_confidence=1.5)
 
 
+def test_at_least_proposes_the_best_guess_below_the_confidence_and_the_loop_fills_the_free_row():
+    """A lone token's verify call is padded to two rows anyway (VerifyCalls.free_drafts): the loop asks
+    the drafter for at least one draft there (``min_drafts``), its best guess however unsure; the reading
+    is greedy's still, in fewer calls where the guess passes."""
+    from pipeline.decoding import VerifyCalls
+
+    readings = [[3, 4, 5, EOS], [3, 4, 5, EOS], [3, 4, 6, EOS], [3, 7, EOS]]
+    d = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1, min_confidence=0.8)
+    assert d.propose([BOS, 3], 4) == [] and d.propose([BOS, 3], 4, at_least=1) == [4]  # 0.75 < 0.8: a guess
+    assert d.propose([BOS], 4, at_least=1) == [3]                        # a sure draft: the confidence decides
+    assert d.propose([BOS, 3], 4, at_least=2) == [4, 5]
+    assert d.propose([8, 8], 4, at_least=1) == []                        # no continuation: no guess
+    assert drafting.BpeDrafter({"\\f": "rac{"}, TEXTS).propose([BOS], 2, at_least=1) == []
+
+    toy = ToyDecoder(2)
+    want = toy.greedy(40)
+    table = drafting.NgramDrafter.build([want], BOS, order=2, min_count=1).table
+    unsure = drafting.NgramDrafter(2, table, 0, {c: 0.5 for c in table}, 0.9)  # every continuation half sure
+    assert unsure.propose([BOS], 4) == []
+
+    def run(ids, past, cross):
+        return toy.verify(ids, past, cross)
+
+    def step(ids, past, cross):
+        logits, present = toy.verify(ids, past, cross)
+        return logits[:, 0], present
+
+    assert VerifyCalls(run, step, 4, 60).free_drafts == 1 and VerifyCalls(run, step, 4, 60, fixed=True).free_drafts == 0
+    calls = {}
+    for free in (0, 1):
+        stats = SpeculativeStats()
+        got = speculative_greedy(toy.first, VerifyCalls(run, step, 4, 60), unsure.propose, BOS, EOS, [PAD, BOS], 40, 3,
+                                 stats=stats, min_drafts=free)
+        assert got == want
+        calls[free] = stats.calls
+        assert stats.drafted == (0 if free == 0 else stats.verify_calls)  # one guess a call, in the free row
+    assert calls[0] == len(want) and calls[1] < calls[0]  # the reading's own table: its guesses pass
+
+
 def test_bpe_drafter_completes_a_piece():
     texts = ["", "", ""] + list("\\frac{}ab")
     d = drafting.BpeDrafter.build(["\\frac{", "ab", "\\f"], texts)

@@ -251,10 +251,18 @@ class OnnxPackage:
         """Up to ``verify_width`` tokens after ``past`` (batch 1) in one call: logits [1, T, V] after
         each of the T, present grown by T or more (a padded call's extra K/V included, for the caller to
         cut: :class:`VerifyCalls`)."""
+        return self._verify_calls()(input_ids, past, cross)
+
+    @property
+    def free_drafts(self) -> int:
+        """Drafts a lone token's verify call checks at no cost (:attr:`VerifyCalls.free_drafts`)."""
+        return self._verify_calls().free_drafts
+
+    def _verify_calls(self) -> VerifyCalls:
         if self._calls is None:
             width, fixed = self._verify_geometry()
             self._calls = VerifyCalls(self._verify_run, self.step, width, self.max_positions, fixed)
-        return self._calls(input_ids, past, cross)
+        return self._calls
 
     def _verify_run(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
         names = self.io["decoder_verify"]["inputs"]
@@ -331,7 +339,7 @@ class OnnxPackage:
             stats.drafter_calls += self.drafter.begin(memory)
         return speculative_greedy(lambda ids: self.first(ids, memory), self.verify, propose,
                                   self.bos, self.eos, self.banned, max_length, self.draft_len if drafted else 0,
-                                  guard, stats)
+                                  guard, stats, self.free_drafts if drafted else 0)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         """Plain greedy decoding of a batch (:func:`pipeline.decoding.greedy`) on this package's
