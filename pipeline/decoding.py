@@ -207,14 +207,14 @@ def speculative_greedy(first: Callable, verify: Callable, propose: Callable[...,
 
     ``first(ids [1, 1]) -> (logits [1, V], past, cross)``; ``verify(ids [1, T], past, cross) ->
     (logits [1, T, V], present)``: the T tokens after ``past``, the logits after each, ``present`` the
-    past grown by T. ``propose(ids, k)``: up to ``k`` tokens a drafter expects after ``ids`` (BOS and the
-    tokens written so far). Each verify call feeds the last written token and the drafts; greedy's own
+    past grown by T. ``propose(ids, k, at_least)``: up to ``k`` tokens a drafter expects after ``ids``
+    (BOS and the tokens written so far). Each verify call feeds the last written token and the drafts; greedy's own
     choice is taken at every position (pad and BOS banned, the layout guard applied to the text so
     far), the drafts are accepted while they equal it, and the first choice that differs is written
     too: each call writes at least the one token a plain step would. The cache keeps only what was
-    written. ``max_length`` counts BOS, as greedy's cap does. ``min_drafts`` > 0: ``propose(ids, k,
-    at_least)`` proposes at least that many where it has any guess, however unsure (a lone token's call
-    is padded to two rows anyway: :attr:`VerifyCalls.free_drafts`; a guess there costs nothing)."""
+    written. ``max_length`` counts BOS, as greedy's cap does. ``min_drafts``: the ``at_least`` asked for,
+    drafts proposed where the drafter has any guess, however unsure (a lone token's call is padded to
+    two rows anyway: :attr:`VerifyCalls.free_drafts`; a guess there costs nothing)."""
     if max_length < 2:
         return []
     banned = list(banned)
@@ -235,8 +235,7 @@ def speculative_greedy(first: Callable, verify: Callable, propose: Callable[...,
     while seq[-1] != eos and len(seq) < limit:
         room = limit - len(seq)
         k = min(draft_len, room - 1)
-        drafts = [] if k <= 0 else [int(t) for t in (propose([bos, *seq], k, min(min_drafts, k)) if min_drafts
-                                                     else propose([bos, *seq], k))][:k]
+        drafts = [int(t) for t in propose([bos, *seq], k, min(min_drafts, k))][:k] if k > 0 else []
         fed = np.asarray([[seq[-1], *drafts]], dtype=np.int64)
         logits, present = verify(fed, past, cross)
         calls, verifies, drafted = calls + 1, verifies + 1, drafted + len(drafts)

@@ -723,8 +723,8 @@ def test_to_matmul_drops_the_flatten_and_unflatten_around_a_projection():
                                            helper.make_tensor_value_info("v", f, [2, 3, 2, 2])],
                               [helper.make_tensor_value_info(o, f, None) for o in ("h", "q", "z", "u")], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    feed = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32), "y": rng.standard_normal((2, 2, 3, 4)).astype(np.float32),
-            "v": rng.standard_normal((2, 3, 2, 2)).astype(np.float32)}
+    feed = {name: rng.standard_normal(shape).astype(np.float32)
+            for name, shape in (("x", (2, 3, 4)), ("y", (2, 2, 3, 4)), ("v", (2, 3, 2, 2)))}
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
     converted = to_matmul(onnx.ModelProto.FromString(model.SerializeToString()))
     kept = [n.name for n in converted.graph.node if n.op_type == "Reshape"]

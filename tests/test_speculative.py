@@ -67,7 +67,7 @@ class ToyDecoder:
 
 def oracle(truth: list[int]):
     """A drafter that knows the reading: proposes exactly its next tokens."""
-    def propose(ids, k):
+    def propose(ids, k, at_least=0):
         n = len(ids) - 1
         return truth[n:n + k]
     return propose
@@ -75,7 +75,7 @@ def oracle(truth: list[int]):
 
 def wrong(truth: list[int]):
     """A drafter that always proposes a token greedy does not write next."""
-    def propose(ids, k):
+    def propose(ids, k, at_least=0):
         n = len(ids) - 1
         nxt = truth[n] if n < len(truth) else EOS
         return [3 if nxt != 3 else 4] * k
@@ -84,7 +84,7 @@ def wrong(truth: list[int]):
 
 def noisy(seed: int):
     rng = np.random.default_rng(seed)
-    return lambda ids, k: rng.integers(0, VOCAB, size=int(rng.integers(0, k + 1))).tolist()
+    return lambda ids, k, at_least=0: rng.integers(0, VOCAB, size=int(rng.integers(0, k + 1))).tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -97,7 +97,7 @@ def test_speculative_is_greedy_token_for_token_whatever_the_drafter(seed, k, cap
         want = toy.greedy(max_length, LayoutGuard(TEXTS, EOS, cap) if cap else None)
         own = drafting.NgramDrafter.build([toy.greedy(40)[3:], want[::2]], BOS, order=4, min_count=1, self_lookup=2)
         for name, propose in (("oracle", oracle(want)), ("wrong", wrong(want)), ("noisy", noisy(seed)),
-                              ("none", lambda ids, kk: []), ("ngram, self lookup", own.propose)):
+                              ("none", lambda ids, kk, at_least=0: []), ("ngram, self lookup", own.propose)):
             stats = SpeculativeStats()
             got = speculative_greedy(toy.first, toy.verify, propose, BOS, EOS, [PAD, BOS], max_length, k,
                                      LayoutGuard(TEXTS, EOS, cap) if guard else None, stats)
@@ -300,8 +300,8 @@ def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions
         widths.clear(), steps.clear()
         fed = []
 
-        def counted(ids, k, propose=propose):
-            out = propose(ids, k)
+        def counted(ids, k, at_least=0, propose=propose):
+            out = propose(ids, k, at_least)
             fed.append(1 + len(out))
             return out
 
@@ -314,8 +314,8 @@ def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions
     with pytest.raises(ValueError, match="5 tokens for a verify graph of width 4"):
         VerifyCalls(run, step, 4, positions, fixed)(np.ones((1, 5), np.int64), *toy.first(np.ones((1, 1), np.int64))[1:])
     widths.clear(), steps.clear()
-    got = speculative_greedy(toy.first, VerifyCalls(run, step, 4, positions, fixed), lambda ids, k: [], BOS, EOS,
-                             [PAD, BOS], 30, 3)
+    got = speculative_greedy(toy.first, VerifyCalls(run, step, 4, positions, fixed), lambda ids, k, at_least=0: [],
+                             BOS, EOS, [PAD, BOS], 30, 3)
     assert got == want
     if fixed:  # nothing drafted: plain steps
         assert widths == [] and steps == [1] * (len(want) - 1)

@@ -333,7 +333,7 @@ class OnnxPackage:
         guard = None
         if self.layout_run_cap:
             guard = self.layout_guard(self._vocab())
-        propose = self.drafter.propose if drafted else (lambda ids, k: [])
+        propose = self.drafter.propose if drafted else (lambda ids, k, at_least: [])
         stats = self.spec_stats if stats is None else stats
         if drafted and hasattr(self.drafter, "begin"):  # a drafter that reads the image first (the student)
             stats.drafter_calls += self.drafter.begin(memory)
