@@ -27,6 +27,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
 
 
@@ -129,7 +130,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
-    packages = {str(p): OnnxPackage(p, threads=args.threads, speculative=False) for p in args.packages}
+    try:
+        packages = {str(p): OnnxPackage(p, threads=args.threads, speculative=False) for p in args.packages}
+    except PipelineError as exc:
+        ap.error(str(exc))
     starts = {k: start(p, args.past) for k, p in packages.items()}
     walls = {k: {"run": [], "iobinding": []} for k in packages}
     same = {}

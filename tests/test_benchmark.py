@@ -416,3 +416,6 @@ def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path
     assert 0 < got["nodes_optimized"] <= got["nodes"]
     assert "MultiHeadAttention" in got["by_op"] and 0 < got["kernels"] <= got["model_run"]
     assert got["step_ms"] > 0 and got["step_ms_iobinding"] > 0
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decoder_call.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not an exported package" in bad.stderr.splitlines()[-1]
