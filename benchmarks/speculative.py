@@ -97,6 +97,8 @@ def main(argv=None) -> int:
                     help="the ngram drafter's self_lookup settings (0: off; n: the reading's own contexts of n+ tokens)")
     ap.add_argument("--min-confidences", type=float, nargs="+", default=[0.0],
                     help="the ngram drafter's min_confidence settings (0: drafts of k tokens whenever it can)")
+    ap.add_argument("--tails", type=int, nargs="+", default=[0],
+                    help="the ngram drafter's tail settings (guesses after the confident drafts)")
     ap.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 6, 8])
     ap.add_argument("--check", nargs="*", default=[], help="splits the best setting of each kind is checked on")
     ap.add_argument("--check-limit", type=int, default=None, help="formulas per checked split (default: all)")
@@ -137,8 +139,10 @@ def main(argv=None) -> int:
             counted = drafting.NgramDrafter.build(readings["train"], package.bos, o, m)  # counted once per order, min
             for s in (s for s in args.self_lookups if s <= o):
                 for c in args.min_confidences:
-                    name = f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else "")
-                    drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c)
+                    for t in args.tails:
+                        name = (f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else "")
+                                + (f" tail {t}" if t else ""))
+                        drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c, t)
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
     def judge(drafter, k: int, split: str, guide=None) -> dict:

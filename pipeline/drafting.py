@@ -11,7 +11,8 @@ built by stage export from artifacts the chain already makes (never from the eva
   the longest context seen at least ``min_count`` times decides, and the proposal chains. Each context
   keeps the share of its continuations its token had; with ``min_confidence`` c the chain stops before
   the product of those shares falls below c (a call checks the drafts likely to pass, and a shorter call
-  costs less). With ``self_lookup`` n, the reading itself is a table too: where the last n or more
+  costs less); with ``tail`` t, t more guesses follow where the confidence stopped it (a call of a few
+  tokens costs little more than one on a CPU and the same on a GPU, and a guess passes often). With ``self_lookup`` n, the reading itself is a table too: where the last n or more
   tokens were written before in this reading, what followed them then (the longest context wins; at
   equal length the reading's own; its share counts as 1).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
@@ -44,29 +45,33 @@ FORMAT = "formula-compress drafter v1"
 
 class NgramDrafter:
     """Next token by the longest matching context of up to ``order`` tokens, chained up to ``k`` times
-    while the chain's confidence (the product of the contexts' shares) stays at ``min_confidence`` or above."""
+    while the chain's confidence (the product of the contexts' shares) stays at ``min_confidence`` or above,
+    and ``tail`` tokens more after that."""
 
     kind = "ngram"
 
     def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0,
-                 shares: dict[tuple[int, ...], float] | None = None, min_confidence: float = 0.0):
+                 shares: dict[tuple[int, ...], float] | None = None, min_confidence: float = 0.0, tail: int = 0):
         if order < 1:
             raise ValueError(f"the n-gram order must be at least 1, got {order}")
         if self_lookup < 0 or self_lookup > order:
             raise ValueError(f"self_lookup must be 0 (off) or 1..order ({order}), got {self_lookup}")
         if not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
+        if tail < 0:
+            raise ValueError(f"tail must be 0 (off) or more, got {tail}")
         self.order = int(order)
         self.table = table
         self.shares = shares or {}  # a context missing: share 1
         self.self_lookup = int(self_lookup)
         self.min_confidence = float(min_confidence)
+        self.tail = int(tail)
         self._local = threading.local()  # per thread (a served package reads requests in threads): the reading
         # the own table was built from, and its contexts -> the token that followed them last
 
     @classmethod
     def build(cls, readings: Iterable[Sequence[int]], bos: int, order: int = 8, min_count: int = 2,
-              self_lookup: int = 0, min_confidence: float = 0.0) -> "NgramDrafter":
+              self_lookup: int = 0, min_confidence: float = 0.0, tail: int = 0) -> "NgramDrafter":
         """From token sequences as the model writes them (no BOS; EOS kept so the drafter proposes
         the end too): for each context of 1..``order`` tokens (BOS included) seen ``min_count`` times
         or more, its most frequent next token (ties: the smaller id) and that token's share of what
@@ -85,7 +90,7 @@ class NgramDrafter:
             if count >= min_count:
                 table[ctx] = tok
                 shares[ctx] = round(count / sum(c.values()), 3)
-        return cls(order, table, self_lookup, shares, min_confidence)
+        return cls(order, table, self_lookup, shares, min_confidence, tail)
 
     def _own_table(self, ids: list[int]) -> dict[tuple[int, ...], int]:
         """Contexts of ``self_lookup``..``order`` tokens in ``ids`` -> the token that followed them last;
@@ -100,12 +105,12 @@ class NgramDrafter:
         return mine.own
 
     def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
-        """Up to ``k`` tokens after ``ids``, while the chain's confidence holds; the first ``at_least``
-        whatever the confidence (where the table has a continuation)."""
+        """Up to ``k`` tokens after ``ids``, while the chain's confidence holds and ``tail`` more; the first
+        ``at_least`` whatever the confidence (where the table has a continuation)."""
         own = self._own_table(list(ids)) if self.self_lookup else {}
         work = list(ids[-self.order:])
         out: list[int] = []
-        confidence = 1.0
+        confidence, limit = 1.0, None  # limit: the draft's length once the confidence fell below
         while len(out) < k:
             nxt, share = None, 1.0
             for n in range(min(self.order, len(work)), 0, -1):
@@ -116,8 +121,12 @@ class NgramDrafter:
                     share = self.shares.get(context, 1.0)
                 if nxt is not None:
                     break
-            if nxt is None or (confidence * share < self.min_confidence and len(out) >= at_least):
+            if nxt is None:
                 break
+            if confidence * share < self.min_confidence:
+                limit = max(at_least, len(out) + self.tail) if limit is None else limit
+                if len(out) >= limit:
+                    break
             confidence *= share
             out.append(nxt)
             work.append(nxt)
@@ -126,7 +135,7 @@ class NgramDrafter:
     def to_json(self) -> dict:
         """The table as ``"context ids": [token, share]`` (drafters from before the shares: ``token``)."""
         return {"order": self.order, "self_lookup": self.self_lookup, "min_confidence": self.min_confidence,
-                "table": {" ".join(map(str, k)): [v, self.shares.get(k, 1.0)] for k, v in sorted(self.table.items())}}
+                "tail": self.tail, "table": {" ".join(map(str, k)): [v, self.shares.get(k, 1.0)] for k, v in sorted(self.table.items())}}
 
     @classmethod
     def from_json(cls, data: dict, **_) -> "NgramDrafter":
@@ -136,7 +145,7 @@ class NgramDrafter:
             token, share = (value, 1.0) if isinstance(value, int) else value
             table[ctx], shares[ctx] = int(token), float(share)
         return cls(int(data["order"]), table, int(data.get("self_lookup", 0)), shares,
-                   float(data.get("min_confidence", 0.0)))
+                   float(data.get("min_confidence", 0.0)), int(data.get("tail", 0)))
 
 
 class BpeDrafter:
@@ -234,8 +243,8 @@ class StudentDrafter(NgramDrafter):
     def __init__(self, order: int, table: dict[tuple[int, ...], int], self_lookup: int = 0,
                  shares: dict[tuple[int, ...], float] | None = None, min_confidence: float = 0.0,
                  reader: Callable[[np.ndarray], tuple[list[int], int]] | None = None, min_match: int = 2,
-                 student: dict | None = None):
-        super().__init__(order, table, self_lookup, shares, min_confidence)
+                 student: dict | None = None, tail: int = 0):
+        super().__init__(order, table, self_lookup, shares, min_confidence, tail)
         if min_match < 1 or min_match > order:
             raise ValueError(f"min_match must be 1..order ({order}), got {min_match}")
         self.reader, self.min_match, self.student = reader, int(min_match), dict(student or {})
@@ -243,7 +252,7 @@ class StudentDrafter(NgramDrafter):
     @classmethod
     def from_ngram(cls, ngram: NgramDrafter, student: dict, min_match: int = 2) -> "StudentDrafter":
         return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence,
-                   min_match=min_match, student=student)
+                   min_match=min_match, student=student, tail=ngram.tail)
 
     def begin(self, memory: np.ndarray) -> int:
         """Read ``memory`` with the student: the guide of this thread's next reading; its calls."""
@@ -297,7 +306,7 @@ class StudentDrafter(NgramDrafter):
         student = dict(data["student"])
         reader = None if open_graph is None else StudentReader.from_entry(student, open_graph)
         return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence, reader,
-                   int(data.get("min_match", 2)), student)
+                   int(data.get("min_match", 2)), student, ngram.tail)
 
 
 DRAFTERS: dict[str, type] = {"ngram": NgramDrafter, "bpe": BpeDrafter, "student": StudentDrafter}

@@ -184,7 +184,8 @@ def test_bad_drafter_settings_are_one_clear_error(looping, tmp_path):
                              ("export.min_speculative_identical=1.5",
                               r"export\.min_speculative_identical must be in \[0, 1\], got 1\.5"),
                              ("export.ngram_self_lookup=13", r"export\.ngram_self_lookup must be 0 \(off\) or "
-                                                             r"1\.\.export\.ngram_order \(12\), got 13")):
+                                                             r"1\.\.export\.ngram_order \(12\), got 13"),
+                             ("export.ngram_tail=-1", r"export\.ngram_tail must be >= 0, got -1")):
         ctx = fake_ctx(tmp_path, [override])
         with pytest.raises(PipelineError, match=needle):
             export.run(OmegaConf.to_object(ctx.cfg.export), ctx)

@@ -217,6 +217,24 @@ def test_at_least_proposes_the_best_guess_below_the_confidence_and_the_loop_fill
     assert calls[0] == len(want) and calls[1] < calls[0]  # the reading's own table: its guesses pass
 
 
+def test_tail_drafts_guesses_after_the_confident_ones_and_round_trips(tmp_path):
+    # after BOS: 3 (share 1), then 4 (0.75), then 5 (0.667), then EOS (1): confidence 1, 0.75, 0.5, 0.5
+    readings = [[3, 4, 5, EOS], [3, 4, 5, EOS], [3, 4, 6, EOS], [3, 7, EOS]]
+    for tail, want in ((0, [3]), (1, [3, 4]), (2, [3, 4, 5]), (5, [3, 4, 5, EOS])):
+        d = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1, min_confidence=0.8, tail=tail)
+        assert d.propose([BOS], 4) == want, tail
+    d = drafting.NgramDrafter.build(readings, BOS, order=3, min_count=1, min_confidence=0.8, tail=1)
+    assert d.propose([BOS], 1) == [3]                                  # k still caps the draft
+    assert d.propose([BOS, 3], 4) == [4] and d.propose([BOS, 3], 4, at_least=2) == [4, 5]  # at_least: the larger
+    drafting.save(d, tmp_path / "drafter.json", 4, {})
+    back, _ = drafting.load(tmp_path / "drafter.json")
+    assert back.tail == 1 and back.propose([BOS], 4) == [3, 4]
+    student = drafting.StudentDrafter.from_ngram(d, {}, 2)
+    assert student.tail == 1 and student.propose([BOS], 4) == [3, 4]
+    with pytest.raises(ValueError, match="tail"):
+        drafting.NgramDrafter.build(readings, BOS, order=3, tail=-1)
+
+
 def test_bpe_drafter_completes_a_piece():
     texts = ["", "", ""] + list("\\frac{}ab")
     d = drafting.BpeDrafter.build(["\\frac{", "ab", "\\f"], texts)
@@ -323,3 +341,17 @@ def test_verify_calls_read_the_drafts_and_step_near_the_position_table(positions
         assert set(widths) == {2} and len(widths) + len(steps) == len(want) - 1
         assert steps == ([] if positions == 40 else [1] * len(steps))
 
+
+
+def test_export_fails_a_package_whose_speculative_check_shows_a_broken_loop_or_a_confident_flip():
+    """Stage export's verdict on a package's speculative check (pipeline/export/drafter.py: check)."""
+    from pipeline.export.drafter import verdict
+
+    good = {"n": 32, "identical": 0.97, "verify_greedy_differing": [], "max_tie_margin": 0.06}
+    assert verdict(good, min_identical=0.8, tie_margin=0.25) == []
+    broken = verdict({**good, "verify_greedy_differing": [3, 9]}, 0.8, 0.25)
+    assert len(broken) == 1 and "2 of 32 readings differ from greedy decoding on the verify graph" in broken[0]
+    few = verdict({**good, "identical": 0.5}, 0.8, 0.25)
+    assert len(few) == 1 and "0.500 of 32 formulas < export.min_speculative_identical=0.8" in few[0]
+    wide = verdict({**good, "max_tie_margin": 1.5}, 0.8, 0.25)
+    assert len(wide) == 1 and "1.500 apart > export.speculative_tie_margin=0.25" in wide[0]

@@ -13,6 +13,8 @@ import numpy as np
 import onnx
 
 from pipeline import drafting
+from pipeline.context import file_hash
+from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
 
@@ -38,10 +40,10 @@ def token_texts(package: OnnxPackage) -> list[str]:
 
 
 def build(kind: str, package: OnnxPackage, readings: Sequence[Sequence[int]] | None, order: int, min_count: int,
-          pieces: Sequence[str] | None, self_lookup: int = 0, min_confidence: float = 0.0):
+          pieces: Sequence[str] | None, self_lookup: int = 0, min_confidence: float = 0.0, tail: int = 0):
     if kind == "ngram":
         return drafting.NgramDrafter.build(readings or [], package.bos, order=order, min_count=min_count,
-                                           self_lookup=self_lookup, min_confidence=min_confidence)
+                                           self_lookup=self_lookup, min_confidence=min_confidence, tail=tail)
     if kind == "bpe":
         return drafting.BpeDrafter.build(pieces or [], token_texts(package))
     raise PipelineError(f"export.drafter: unknown {kind!r}; known: {', '.join(KINDS)}")
@@ -117,6 +119,67 @@ def guided(ngram: drafting.NgramDrafter, student: dict, min_match: int) -> draft
     """The student drafter: ``ngram``'s table where the guide does not match; ``student``: its
     :func:`student_graphs` entry."""
     return drafting.StudentDrafter.from_ngram(ngram, student, min_match)
+
+
+def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model_key: str, drafts: dict, target,
+         probe: np.ndarray, student_key: str | None = None) -> dict:
+    """Build the drafter ``cfg.drafter`` (stage export's settings) for ``package``, write it into ``folder``
+    (package ``name`` once published); returns where it came from. ``drafts``: the package readings of
+    train formulas per (model, formulas, cap), kept for the next target of the same model;
+    ``student_key``: the student model's hash when the caller has it."""
+    max_length, batch_size = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
+    if cfg.drafter == "bpe":
+        tok = ctx.stage_folder("tokenizer") / "tokenizer.json"
+        if not tok.is_file():
+            raise PipelineError(f"export.drafter=bpe needs stage tokenizer's formula BPE ({tok}): run stage=tokenizer")
+        drafter = build("bpe", package, None, cfg.ngram_order, cfg.ngram_min_count, bpe_pieces(tok))
+        source = {"pieces": str(tok), "sha256": file_hash(tok), "completions": len(drafter.completions)}
+    else:
+        train = [(f.id, f.latex) for f in ctx.split("train")]
+        key = (model_key, tuple(i for i, _ in train[:cfg.draft_images]), max_length)
+        if key not in drafts:  # the package's own plain greedy readings; the next target of the model reuses them
+            items = render_inputs(train, adapter.preprocess, cfg.draft_images, ctx.progress, "export drafter")
+            if not items:
+                raise PipelineError("export.drafter=ngram: no train formula could be rendered")
+            images = np.stack([np.asarray(x[2]) for x in items])
+            drafts[key] = (package.generate(images, max_length=max_length, batch_size=batch_size).token_ids, name)
+        readings, read_by = drafts[key]
+        drafter = build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None,
+                        cfg.ngram_self_lookup, cfg.ngram_min_confidence, cfg.ngram_tail)
+        source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
+                  "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "self_lookup": cfg.ngram_self_lookup,
+                  "min_confidence": cfg.ngram_min_confidence, "tail": cfg.ngram_tail, "contexts": len(drafter.table)}
+        if cfg.drafter == "student":
+            student = ctx.load_model(cfg.draft_model)
+            entry = student_graphs(student, target, cfg.simplify, student_key or ctx.model_hash(cfg.draft_model),
+                                   package, folder, probe,
+                                   int8=cfg.draft_int8 and target.provider == "CPUExecutionProvider")
+            drafter = guided(drafter, entry, cfg.student_min_match)
+            source.update({"student": cfg.draft_model, "min_match": cfg.student_min_match})
+    install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
+    return source
+
+
+def verdict(speculative: dict, min_identical: float, tie_margin: float) -> list[str]:
+    """What fails a package in its speculative check (:func:`check`'s result): a reading that is not
+    greedy decoding's on the verify graph (the loop must write those token for token), fewer than
+    ``min_identical`` readings identical to the step graph's greedy ones, or one that leaves them where
+    the two tokens are more than ``tie_margin`` logits apart (not a near-tie)."""
+    failures = []
+    if speculative["verify_greedy_differing"]:
+        failures.append(f"speculative decoding: {len(speculative['verify_greedy_differing'])} of "
+                        f"{speculative['n']} readings differ from greedy decoding on the verify graph, "
+                        f"which the loop must write token for token (formulas "
+                        f"{speculative['verify_greedy_differing'][:5]}): a broken drafter loop or cache")
+    if speculative["identical"] < min_identical:
+        failures.append(f"speculative decoding: identical to the package's greedy readings on "
+                        f"{speculative['identical']:.3f} of {speculative['n']} formulas < "
+                        f"export.min_speculative_identical={min_identical} (export.drafter=none ships plain greedy)")
+    if speculative["max_tie_margin"] > tie_margin:
+        failures.append(f"speculative decoding: a reading leaves the package's greedy one where the step "
+                        f"logits put the two tokens {speculative['max_tie_margin']:.3f} apart > "
+                        f"export.speculative_tie_margin={tie_margin} (not a near-tie)")
+    return failures
 
 
 def install(folder: Path, drafter, draft_len: int, source: dict) -> None:

@@ -105,6 +105,7 @@ class ExportConfig:
                                          # or more (0: off)
     ngram_min_confidence: float = 0.7    # drafts stop before the product of their contexts' shares falls below
                                          # this (0: up to draft_len always)
+    ngram_tail: int = 0                  # guesses drafted after the confident ones (0: none)
     min_speculative_identical: float = 0.8   # share of the parity formulas whose speculative reading must equal the
                                          # package's greedy one: the verify graph's attention (several rows)
                                          # rounds unlike the step's (one row), so an INT8 package's near-ties can
@@ -248,6 +249,8 @@ def validate(cfg: ExportConfig) -> None:
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count", "student_min_match"):
         if getattr(cfg, key) is not None and int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.ngram_tail < 0:
+        raise PipelineError(f"export.ngram_tail must be >= 0, got {cfg.ngram_tail}")
     if cfg.speculative_tie_margin < 0:
         raise PipelineError(f"export.speculative_tie_margin must be >= 0, got {cfg.speculative_tie_margin}")
     if not 0.0 <= cfg.min_speculative_identical <= 1.0:
@@ -263,45 +266,6 @@ def validate(cfg: ExportConfig) -> None:
     if cfg.draft_len > VERIFY_WIDTH - 1:
         raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
                             f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
-
-
-def _drafter(cfg: ExportConfig, ctx: StageContext, adapter, package: OnnxPackage, folder: Path, name: str,
-             model_key: str, drafts: dict, target, probe) -> dict:
-    """Build the package's drafter, write it into ``folder`` (package ``name`` once published); returns
-    where it came from."""
-    mcfg = ctx.cfg.model
-    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
-    if cfg.drafter == "bpe":
-        tok = ctx.stage_folder("tokenizer") / "tokenizer.json"
-        if not tok.is_file():
-            raise PipelineError(f"export.drafter=bpe needs stage tokenizer's formula BPE ({tok}): run stage=tokenizer")
-        drafter = spec.build("bpe", package, None, cfg.ngram_order, cfg.ngram_min_count, spec.bpe_pieces(tok))
-        source = {"pieces": str(tok), "sha256": file_hash(tok), "completions": len(drafter.completions)}
-    else:
-        train = [(f.id, f.latex) for f in ctx.split("train")]
-        key = (model_key, tuple(i for i, _ in train[:cfg.draft_images]), max_length)
-        if key not in drafts:  # the package's own plain greedy readings; the next target of the model reuses them
-            items = render_inputs(train, adapter.preprocess, cfg.draft_images, ctx.progress, "export drafter")
-            if not items:
-                raise PipelineError("export.drafter=ngram: no train formula could be rendered")
-            images = torch.stack([x[2] for x in items]).numpy()
-            drafts[key] = (package.generate(images, max_length=max_length, batch_size=batch_size).token_ids,
-                           name)
-        readings, read_by = drafts[key]
-        drafter = spec.build("ngram", package, readings, cfg.ngram_order, cfg.ngram_min_count, None,
-                             cfg.ngram_self_lookup, cfg.ngram_min_confidence)
-        source = {"readings": f"greedy readings of {len(readings)} train formulas by package {read_by}",
-                  "order": cfg.ngram_order, "min_count": cfg.ngram_min_count, "self_lookup": cfg.ngram_self_lookup,
-                  "min_confidence": cfg.ngram_min_confidence, "contexts": len(drafter.table)}
-        if cfg.drafter == "student":
-            student = ctx.load_model(cfg.draft_model)
-            entry = spec.student_graphs(student, target, cfg.simplify, ctx.model_hash(cfg.draft_model), package,
-                                        folder, probe, int8=cfg.draft_int8 and target.provider == "CPUExecutionProvider")
-            drafter = spec.guided(drafter, entry, cfg.student_min_match)
-            source.update({"student": cfg.draft_model, "min_match": cfg.student_min_match})
-    spec.install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
-    return source
-
 
 
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None,
@@ -378,25 +342,13 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
             log.warning(f"[export] {name}: no speculative decoding: stage quantize's INT8 decoders predate the "
                         f"verify graph (run stage=quantize again for it)")
         elif cfg.drafter != "none" and not failures:
-            source = _drafter(cfg, ctx, adapter, package, out.path, name, inputs["model"],
-                              {} if drafts is None else drafts, target, calib_items[0][2].numpy())
+            source = spec.make(cfg, ctx, adapter, package, out.path, name, inputs["model"],
+                               {} if drafts is None else drafts, target, calib_items[0][2].numpy(),
+                               inputs.get("draft_model"))
             speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
                            **spec.check(out.path, torch.stack([x[2] for x in eval_items]).numpy(), tokens.package_ids,
                                         max_length, int(mcfg.threads or 0))}
-            if speculative["verify_greedy_differing"]:
-                failures.append(f"speculative decoding: {len(speculative['verify_greedy_differing'])} of "
-                                f"{speculative['n']} readings differ from greedy decoding on the verify graph, "
-                                f"which the loop must write token for token (formulas "
-                                f"{speculative['verify_greedy_differing'][:5]}): a broken drafter loop or cache")
-            if speculative["identical"] < cfg.min_speculative_identical:
-                failures.append(f"speculative decoding: identical to the package's greedy readings on "
-                                f"{speculative['identical']:.3f} of {speculative['n']} formulas < "
-                                f"export.min_speculative_identical={cfg.min_speculative_identical} "
-                                f"(export.drafter=none ships plain greedy)")
-            if speculative["max_tie_margin"] > cfg.speculative_tie_margin:
-                failures.append(f"speculative decoding: a reading leaves the package's greedy one where the step "
-                                f"logits put the two tokens {speculative['max_tie_margin']:.3f} apart > "
-                                f"export.speculative_tie_margin={cfg.speculative_tie_margin} (not a near-tie)")
+            failures += spec.verdict(speculative, cfg.min_speculative_identical, cfg.speculative_tie_margin)
         # engines only for a package that passed parity (a build takes minutes and ships what failed)
         engines = None
         if target.name == "tensorrt":
