@@ -98,10 +98,12 @@ def check_config(cfg: DictConfig) -> None:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
     check_data_group(str(cfg.stage), str(cfg.data.kind))
-    if cfg.stage in ("export", "all") and cfg.export.targets:  # target.* overrides reach their target or fail here
-        from pipeline.export.targets import KNOWN, target_configs
+    if cfg.stage in ("export", "all"):  # target.* overrides reach their target and hold, or fail here
+        from pipeline.export.targets import KNOWN, resolve_target, target_configs
 
-        target_configs([str(t) for t in cfg.export.targets if t in KNOWN], cfg.target)  # unknown ones: export's check
+        names = [str(t) for t in cfg.export.targets if t in KNOWN]  # unknown ones: export's check
+        for tcfg in (target_configs(names, cfg.target).values() if cfg.export.targets else [cfg.target]):
+            resolve_target(tcfg)
 
 
 def _task(cfg: DictConfig) -> None:

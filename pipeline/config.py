@@ -90,6 +90,13 @@ class TargetConfig:
     provider: str = "CPUExecutionProvider"
     provider_options: Dict[str, Any] = field(default_factory=dict)
     required_provider_options: List[str] = field(default_factory=list)  # the package refuses to be written without them
+    # the ngram drafter's defaults for this target's packages (export.ngram_min_confidence / ngram_tail
+    # override them): what a verify call costs there decides how many drafts it should check. A CPU pays
+    # for every token a call checks (~0.14 ms each on the deployable): only the drafts likely to pass,
+    # and one guess after them (least decoder time on calib, docs/export.md). A GPU at batch 1 pays for
+    # the call, about the same whatever its width: every draft the table has, up to export.draft_len.
+    draft_min_confidence: float = 0.7
+    draft_tail: int = 1
 
 
 def _root_fields() -> list[tuple[str, Any, Any]]:

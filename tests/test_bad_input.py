@@ -703,3 +703,19 @@ def test_each_targets_rules_are_its_yamls():
     assert not cpu.symmetric_int8 and cpu.allow_contrib_ops
     cfg = compose_cfg(["target=tensorrt", "target.per_channel_weights=true"])
     assert resolve_target(cfg.target).rules.per_channel_weights
+
+
+def test_a_targets_drafter_defaults_are_its_yamls_and_a_bad_one_fails_before_the_chain(tmp_path):
+    """A verify call on a CPU costs more per token it checks, on a GPU about the same whatever its width:
+    each target's YAML says how its packages' ngram drafter drafts. A bad value under stage=all is one
+    line before prune's work, like a stage's bad key."""
+    from pipeline.export.targets import resolve_target, target_config
+
+    cpu, trt, metax = (resolve_target(target_config(n)) for n in ("ort_cpu", "tensorrt", "metax"))
+    assert (cpu.draft_min_confidence, cpu.draft_tail) == (0.7, 1)
+    assert (trt.draft_min_confidence, trt.draft_tail) == (metax.draft_min_confidence, metax.draft_tail) == (0.0, 0)
+    one_error(run_cli("stage=all", "target=metax", "target.draft_tail=-2", f"artifacts.dir={tmp_path / 'a'}"),
+              "error: config: target.draft_tail must be >= 0, got -2")
+    assert not (tmp_path / "a").exists()  # nothing written
+    one_error(run_cli("stage=export", "target.draft_min_confidence=2", f"artifacts.dir={tmp_path / 'b'}"),
+              "target.draft_min_confidence must be in [0, 1], got 2")

@@ -80,6 +80,22 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     assert wrong.token_ids == exact.token_ids and wrong.calls == exact.calls
 
 
+def test_the_drafters_readings_in_side_by_side_sessions_are_one_sessions_in_order(ort_pkg):
+    """export.drafter=ngram reads the train formulas in one single-thread session a core, each every n-th
+    image: the readings come back in the images' order, as one session reads them."""
+    from pipeline.data.render import render_formula
+    from pipeline.export.drafter import read
+    from pipeline.export.runtime import OnnxPackage
+
+    package = OnnxPackage(ort_pkg, threads=1, speculative=False)
+    formulas = [r"\frac{a+b}{c}", r"x^2", r"\sqrt{y}", r"\alpha+\beta", r"a_{n+1}"]
+    images = np.stack([package.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
+    want = package.generate(images, MAX_LENGTH, batch_size=2).token_ids
+    assert len({tuple(w) for w in want}) == len(formulas)  # five different readings: the order is checked
+    assert read(ort_pkg, images, MAX_LENGTH, 2, workers=2) == [list(w) for w in want]
+    assert read(ort_pkg, images[:1], MAX_LENGTH, 2, workers=3) == [list(want[0])]
+
+
 def test_a_reading_that_leaves_greedy_at_a_confident_token_is_told_from_a_near_tie(ort_pkg):
     """export's check of speculative readings: where a reading first differs from the package's greedy
     one, the step logits' margin between the two tokens (a near-tie flip: small; a broken loop: wide)."""

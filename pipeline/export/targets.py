@@ -20,6 +20,8 @@ class Target:
     provider_options: dict[str, Any]
     rules: Rules
     required_provider_options: tuple[str, ...] = ()
+    draft_min_confidence: float = 0.7  # the ngram drafter's defaults for its packages (conf/target/*.yaml)
+    draft_tail: int = 1
 
 
 def resolve_target(tcfg: Any) -> Target:
@@ -46,8 +48,13 @@ def resolve_target(tcfg: Any) -> Target:
         float_only_ops=FLOAT_ONLY_OPS if tcfg.float_only_ops else (),
     )
     options = dict(tcfg.provider_options or {})
+    if not 0.0 <= float(tcfg.draft_min_confidence) <= 1.0:
+        raise PipelineError(f"target.draft_min_confidence must be in [0, 1], got {tcfg.draft_min_confidence}")
+    if int(tcfg.draft_tail) < 0:
+        raise PipelineError(f"target.draft_tail must be >= 0, got {tcfg.draft_tail}")
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
-                  tuple(str(k) for k in tcfg.required_provider_options or ()))
+                  tuple(str(k) for k in tcfg.required_provider_options or ()), float(tcfg.draft_min_confidence),
+                  int(tcfg.draft_tail))
 
 
 def target_configs(names, chosen) -> dict[str, Any]:

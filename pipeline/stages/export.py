@@ -103,9 +103,11 @@ class ExportConfig:
     ngram_min_count: int = 2             # a context must be seen this often to propose
     ngram_self_lookup: int = 3           # >0: the reading itself is a table too, contexts of this many tokens
                                          # or more (0: off)
-    ngram_min_confidence: float = 0.7    # drafts stop before the product of their contexts' shares falls below
-                                         # this (0: up to draft_len always)
-    ngram_tail: int = 0                  # guesses drafted after the confident ones (0: none)
+    ngram_min_confidence: Optional[float] = None  # drafts stop before the product of their contexts' shares
+                                         # falls below this (0: up to draft_len always); null: the target's
+                                         # draft_min_confidence (a CPU 0.7, a GPU 0: conf/target/*.yaml)
+    ngram_tail: Optional[int] = None     # guesses drafted after the confident ones; null: the target's draft_tail
+                                         # (a CPU 1: the least decoder time on calib; a GPU 0)
     min_speculative_identical: float = 0.8   # share of the parity formulas whose speculative reading must equal the
                                          # package's greedy one: the verify graph's attention (several rows)
                                          # rounds unlike the step's (one row), so an INT8 package's near-ties can
@@ -249,13 +251,13 @@ def validate(cfg: ExportConfig) -> None:
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count", "student_min_match"):
         if getattr(cfg, key) is not None and int(getattr(cfg, key)) < 1:
             raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.ngram_tail < 0:
+    if cfg.ngram_tail is not None and cfg.ngram_tail < 0:
         raise PipelineError(f"export.ngram_tail must be >= 0, got {cfg.ngram_tail}")
     if cfg.speculative_tie_margin < 0:
         raise PipelineError(f"export.speculative_tie_margin must be >= 0, got {cfg.speculative_tie_margin}")
     if not 0.0 <= cfg.min_speculative_identical <= 1.0:
         raise PipelineError(f"export.min_speculative_identical must be in [0, 1], got {cfg.min_speculative_identical}")
-    if not 0.0 <= cfg.ngram_min_confidence <= 1.0:
+    if cfg.ngram_min_confidence is not None and not 0.0 <= cfg.ngram_min_confidence <= 1.0:
         raise PipelineError(f"export.ngram_min_confidence must be in [0, 1], got {cfg.ngram_min_confidence}")
     if not 0 <= cfg.ngram_self_lookup <= cfg.ngram_order:
         raise PipelineError(f"export.ngram_self_lookup must be 0 (off) or 1..export.ngram_order "
