@@ -22,6 +22,8 @@ bound saves against the ngram drafter.
     python benchmarks/speculative.py artifacts/export-ort_cpu artifacts/corpus/formulas.jsonl \
         artifacts/corpus-shift/formulas.jsonl --train 256 --calib 256 --orders 4 6 8 12 \
         --min-counts 1 2 3 --draft-lens 2 4 6 8 --bpe artifacts/tokenizer/tokenizer.json --check eval shift
+    python benchmarks/speculative.py ... --train 1779 --orders 12 --min-counts 2 --self-lookups 3 \
+        --min-confidences 0.7 --tails 0 1 2 --draft-lens 8     (the tail; on a GPU package: its provider's widths)
 """
 from __future__ import annotations
 

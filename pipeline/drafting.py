@@ -11,10 +11,11 @@ built by stage export from artifacts the chain already makes (never from the eva
   the longest context seen at least ``min_count`` times decides, and the proposal chains. Each context
   keeps the share of its continuations its token had; with ``min_confidence`` c the chain stops before
   the product of those shares falls below c (a call checks the drafts likely to pass, and a shorter call
-  costs less); with ``tail`` t, t more guesses follow where the confidence stopped it (a call of a few
-  tokens costs little more than one on a CPU and the same on a GPU, and a guess passes often). With ``self_lookup`` n, the reading itself is a table too: where the last n or more
-  tokens were written before in this reading, what followed them then (the longest context wins; at
-  equal length the reading's own; its share counts as 1).
+  costs less); with ``tail`` t, t more guesses follow where the confidence stopped it (on a CPU a guess
+  costs about what it saves, on a GPU a wider call costs about the same). With ``self_lookup`` n, the
+  reading itself is a table too: where the last n or more tokens were written before in this reading,
+  what followed them then (the longest context wins; at equal length the reading's own; its share
+  counts as 1).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
   the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
 - ``student``: the BPE student of stage distill reads the image first (its own two decoder graphs in
@@ -135,7 +136,8 @@ class NgramDrafter:
     def to_json(self) -> dict:
         """The table as ``"context ids": [token, share]`` (drafters from before the shares: ``token``)."""
         return {"order": self.order, "self_lookup": self.self_lookup, "min_confidence": self.min_confidence,
-                "tail": self.tail, "table": {" ".join(map(str, k)): [v, self.shares.get(k, 1.0)] for k, v in sorted(self.table.items())}}
+                "tail": self.tail,
+                "table": {" ".join(map(str, k)): [v, self.shares.get(k, 1.0)] for k, v in sorted(self.table.items())}}
 
     @classmethod
     def from_json(cls, data: dict, **_) -> "NgramDrafter":

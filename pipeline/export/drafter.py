@@ -175,10 +175,12 @@ def read(folder: Path, images: np.ndarray, max_length: int, batch_size: int, wor
     packages = [OnnxPackage(folder, threads=1, provider="CPUExecutionProvider", speculative=False)
                 for _ in range(max(1, min(workers, len(images))))]
     n = len(packages)
+    def one(i: int) -> list:
+        return packages[i].generate(images[i::n], max_length, batch_size, bar.update).token_ids
+
     with tqdm(total=len(images), desc="export drafter readings", disable=not progress) as bar, \
             ThreadPoolExecutor(n) as pool:
-        parts = list(pool.map(lambda i: packages[i].generate(images[i::n], max_length, batch_size, bar.update).token_ids,
-                              range(n)))
+        parts = list(pool.map(one, range(n)))
     out: list[list[int]] = [[] for _ in range(len(images))]
     for i, part in enumerate(parts):
         out[i::n] = [list(map(int, ids)) for ids in part]
