@@ -5,9 +5,9 @@ speculative readings must be its plain greedy readings."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -19,6 +19,8 @@ from pipeline.context import file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+
+log = logging.getLogger(__name__)
 
 DRAFTER_FILE = "drafter.json"
 KINDS = ("none", *drafting.DRAFTERS)
@@ -145,7 +147,9 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
                 raise PipelineError("export.drafter=ngram: no train formula could be rendered")
             images = np.stack([np.asarray(x[2]) for x in items])
             workers = int(ctx.cfg.model.threads or 0) or os.cpu_count() or 1
-            drafts[key] = (read(folder, images, max_length, batch_size, workers, ctx.progress), name)
+            log.info(f"[export] the drafter: {len(images)} train formulas read by the package, {workers} "
+                     f"single-thread sessions side by side")
+            drafts[key] = (read(folder, images, max_length, batch_size, workers), name)
         readings, read_by = drafts[key]
         confidence = target.draft_min_confidence if cfg.ngram_min_confidence is None else cfg.ngram_min_confidence
         tail = target.draft_tail if cfg.ngram_tail is None else cfg.ngram_tail
@@ -165,26 +169,17 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
     return source
 
 
-def read(folder: Path, images: np.ndarray, max_length: int, batch_size: int, workers: int, progress: bool = False
-         ) -> list[list[int]]:
-    """The package's plain greedy readings of ``images`` (in order), ``workers`` sessions of one thread
-    each reading every ``workers``-th image side by side: at these sizes a session's second thread adds
-    little to a decoder step (2 cores: 69 ms a formula against 95 for one session of two threads)."""
-    from tqdm import tqdm
+def read(folder: Path, images: np.ndarray, max_length: int, batch_size: int, workers: int) -> list[list[int]]:
+    """The package's plain greedy readings of ``images`` (in order): ``workers`` sessions of one thread,
+    each reading a run of whole batches side by side (:func:`pipeline.quantization.measure.read`); at
+    these sizes a session's second thread adds little to a decoder step (2 cores: 69 ms a formula
+    against 95 for one session of two threads)."""
+    from pipeline.quantization.measure import read as read_side_by_side
 
     packages = [OnnxPackage(folder, threads=1, provider="CPUExecutionProvider", speculative=False)
-                for _ in range(max(1, min(workers, len(images))))]
-    n = len(packages)
-    def one(i: int) -> list:
-        return packages[i].generate(images[i::n], max_length, batch_size, bar.update).token_ids
-
-    with tqdm(total=len(images), desc="export drafter readings", disable=not progress) as bar, \
-            ThreadPoolExecutor(n) as pool:
-        parts = list(pool.map(one, range(n)))
-    out: list[list[int]] = [[] for _ in range(len(images))]
-    for i, part in enumerate(parts):
-        out[i::n] = [list(map(int, ids)) for ids in part]
-    return out
+                for _ in range(max(1, workers))]
+    reading = read_side_by_side(packages, None, images, [""] * len(images), max_length, batch_size)
+    return [list(map(int, ids)) for ids in reading.token_ids]
 
 
 def verdict(speculative: dict, min_identical: float, tie_margin: float) -> list[str]:
