@@ -26,7 +26,8 @@ SIZES = [
     "quantize.sensitivity_images=2", "quantize.eval_limit=2", "quantize.latency_images=1",
     "quantize.qat_steps=2", "quantize.qat_images=8", "quantize.original_search_images=8",
     "export.parity_limit=2", "export.parity_images=1", "export.baseline_parity_limit=2",
-    "export.min_cosine=0", "export.min_snr_db=-100", "export.min_identical=0",
+    "export.min_cosine=0", "export.min_snr_db=-100", "export.min_identical=0", "export.draft_images=16",
+    "export.min_speculative_identical=0", "export.speculative_tie_margin=100", "benchmark.speculative_limit=4",
     "benchmark.samples=2", "benchmark.memory_images=2", "benchmark.clients=2", "benchmark.requests=2",
     "benchmark.full_prefix_limit=2", "benchmark.torch_limit=4", "benchmark.timing_images=4",
 ]
@@ -88,6 +89,9 @@ def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_t
     pkg = root / "export-ort_cpu"
     meta = json.loads((pkg / "package.json").read_text())
     assert meta["precision"]["encoder"].startswith("int8 qdq")  # the deployable: the chain's INT8 package
+    assert meta["drafter"] == "drafter.json" and chain["export.drafter"] == "ngram"  # it decodes speculatively
+    spec = json.loads((pkg / "parity.json").read_text())["speculative"]
+    assert spec["identical_verify_greedy"] == 1.0  # the loop writes greedy's tokens on the verify graph, exactly
     for target in chain["export.targets"]:
         assert (root / f"export-{target}" / "manifest.json").is_file(), target
     pooled = json.loads((root / "prune" / "model" / "config.json").read_text())

@@ -83,12 +83,11 @@ class ExportConfig:
                                          # formula BPE) | student (stage distill's BPE student reads the image
                                          # first, its reading guides the drafts; the ngram table where it does not
                                          # match; 3.8x / 3.5x fewer package calls but +13 / +21 student calls:
-                                         # 0.97x / 0.94x decoder ms, docs/export.md). Off by default (stage=all
-                                         # too) for the chain's time: the package reads the train split for it
-                                         # and the benchmark adds its speculative rows, ~5 minutes on 2 cores;
-                                         # ngram on the whole eval / shift splits: 3.36x / 2.95x fewer calls,
-                                         # 1.37x / 1.30x decoder ms, end to end 2.30x / 2.22x float-original
-                                         # against greedy's 2.00x / 1.96x (2026-12-05; docs/export.md)
+                                         # 0.97x / 0.94x decoder ms, docs/export.md). stage=all: ngram (whole
+                                         # eval / shift splits: 3.36x / 2.95x fewer calls, 1.37x / 1.30x decoder
+                                         # ms, end to end 2.30x / 2.22x float-original against greedy's 2.00x /
+                                         # 1.96x; ~4 minutes of the chain: it reads the train split); off alone
+                                         # (a package from export.formulas has no train split to draft from)
     draft_model: str = "distill"         # export.drafter=student: the BPE student (a stage with a model, a folder)
     student_min_match: int = 2           # ... the last tokens written must occur in its guide this long or longer
     draft_int8: bool = True              # ... its graphs in dynamic INT8 on a CPU target (float: fp32 / fp16 elsewhere)
