@@ -19,9 +19,9 @@ class Target:
     provider: str
     provider_options: dict[str, Any]
     rules: Rules
+    draft_min_confidence: float  # the ngram drafter's defaults for its packages (TargetConfig, conf/target/*.yaml)
+    draft_tail: int
     required_provider_options: tuple[str, ...] = ()
-    draft_min_confidence: float = 0.7  # the ngram drafter's defaults for its packages (conf/target/*.yaml)
-    draft_tail: int = 1
 
 
 def resolve_target(tcfg: Any) -> Target:
@@ -53,8 +53,8 @@ def resolve_target(tcfg: Any) -> Target:
     if int(tcfg.draft_tail) < 0:
         raise PipelineError(f"target.draft_tail must be >= 0, got {tcfg.draft_tail}")
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
-                  tuple(str(k) for k in tcfg.required_provider_options or ()), float(tcfg.draft_min_confidence),
-                  int(tcfg.draft_tail))
+                  float(tcfg.draft_min_confidence), int(tcfg.draft_tail),
+                  tuple(str(k) for k in tcfg.required_provider_options or ()))
 
 
 def target_configs(names, chosen) -> dict[str, Any]:
