@@ -8,9 +8,11 @@ the past growing from ``--past``), run two ways in turn: ``session.run`` with nu
 package runtime calls it, and IOBinding (the cross-attention K/V bound once as ONNX Runtime values,
 each step's present K/V bound as the next step's past without a numpy copy, outputs left to ONNX
 Runtime). The packages are read in turn within each repeat, so they see the same load: compare
-them within one run.
+them within one run. With ``--verify-widths`` the ``decoder_verify`` graph is profiled at those widths too:
+each op type's kernel time by width, and what one more token a call checks adds to it.
 
     python benchmarks/decoder_call.py artifacts/export-ort_cpu artifacts/export-ort_cpu-float-original
+    python benchmarks/decoder_call.py artifacts/export-ort_cpu --verify-widths 1 3 5 9
 """
 from __future__ import annotations
 
@@ -120,6 +122,27 @@ def bound_loop(package: OnnxPackage, past: list, cross: list, steps: int) -> tup
     return 1000 * (time.perf_counter() - t0) / steps, logits
 
 
+def verify_profiles(package: OnnxPackage, past: list, cross: list, widths: list[int], calls: int,
+                    threads: int) -> dict:
+    """ONNX Runtime's profile of ``decoder_verify`` at each width: kernel microseconds a call by op type;
+    printed as a table (op types as rows, widths as columns) with each op's microseconds per extra token."""
+    path = package.folder / package.meta["graphs"]["decoder_verify"]
+    out = {}
+    for width in widths:
+        ids = np.full((1, width), package.eos, dtype=np.int64)
+        feed = dict(zip(package.io["decoder_verify"]["inputs"], [ids, *past, *cross]))
+        out[width] = profile(path, feed, calls, threads)
+    ops = sorted({op for prof in out.values() for op in prof["by_op"]}, key=lambda op: -out[widths[-1]]["by_op"].get(op, 0))
+    span = widths[-1] - widths[0]
+    print(f"  decoder_verify, kernel us a call by width (past {len(past) and past[0].shape[2]}, {calls} calls)"
+          + (f"; us per extra token from width {widths[0]} to {widths[-1]}" if span else ""))
+    print(f"    {'op':<24}" + "".join(f"{w:>8d}" for w in widths) + ("  per token" if span else ""))
+    for op in [*ops, "kernels", "model_run"]:
+        row = [out[w]["by_op"].get(op, 0.0) if op in ops else out[w][op] for w in widths]
+        print(f"    {op:<24}" + "".join(f"{v:8.0f}" for v in row) + (f"  {(row[-1] - row[0]) / span:9.1f}" if span else ""))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("packages", nargs="+", type=Path)
@@ -128,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--calls", type=int, default=200, help="profiled calls")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--verify-widths", type=int, nargs="*", default=[],
+                    help="also profile decoder_verify at these widths (the last written token + drafts)")
     ap.add_argument("--out", type=Path, help="also write the numbers as JSON here")
     args = ap.parse_args(argv)
     try:
@@ -163,6 +188,8 @@ def main(argv=None) -> int:
               f"({100 * prof['kernels'] / prof['model_run']:.0f} %)")
         for op, us in prof["by_op"].items():
             print(f"    {op:<24} {us:7.0f} us  {100 * us / prof['kernels']:5.1f} % of kernel time")
+        if args.verify_widths:
+            results[k]["verify"] = verify_profiles(p, past, cross, args.verify_widths, args.calls, args.threads)
     if args.out:
         args.out.write_text(json.dumps({"past": args.past, "steps": args.steps, "repeats": args.repeats,
                                         "threads": args.threads, "packages": results}, indent=1))

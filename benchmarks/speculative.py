@@ -24,11 +24,20 @@ bound saves against the ngram drafter.
         --min-counts 1 2 3 --draft-lens 2 4 6 8 --bpe artifacts/tokenizer/tokenizer.json --check eval shift
     python benchmarks/speculative.py ... --train 1779 --orders 12 --min-counts 2 --self-lookups 3 \
         --min-confidences 0.7 --tails 0 1 2 --draft-lens 8     (the tail; on a GPU package: its provider's widths)
+    python benchmarks/speculative.py ... --train 1779 --calib 597 --varied 0 1000 3000 --ship-calib \
+        --cache /tmp/readings.json     (more readings to draft from: the varied grammar's, the calib split's)
+
+``--varied N``: tables built from the train readings plus the package's readings of N formulas of the varied
+grammar (``pipeline/data/templates.py``), judged on calib like any setting; ``--ship-calib``: the checks also
+run the best ngram setting built from the train and calib readings (calib cannot judge that one). The
+readings are the package's plain greedy ones, one single-thread session a core side by side (``--cache``
+keeps them for the next run).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline import drafting  # noqa: E402
 from pipeline.decoding import SpeculativeStats, speculative_greedy  # noqa: E402
-from pipeline.export.drafter import bpe_pieces, token_texts  # noqa: E402
+from pipeline.export.drafter import bpe_pieces, read, token_texts  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
 
 
@@ -107,11 +116,18 @@ def main(argv=None) -> int:
     ap.add_argument("--bpe", type=Path, default=None, help="stage tokenizer's tokenizer.json: also the bpe drafter")
     ap.add_argument("--student-bound", action="store_true",
                     help="also a perfect student's guide (the reading itself) with the best ngram setting")
+    ap.add_argument("--varied", type=int, nargs="+", default=[0],
+                    help="tables built from the train readings plus the package's readings of this many formulas of "
+                         "the varied grammar (pipeline/data/templates.py; 0: train alone)")
+    ap.add_argument("--ship-calib", action="store_true",
+                    help="the checks also run the best ngram setting built from the train and calib readings")
+    ap.add_argument("--cache", type=Path, default=None,
+                    help="a JSON file the readings are kept in (by split and formula), reused by the next run")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
     args = ap.parse_args(argv)
 
-    from pipeline.data.render import render_formula
+    from pipeline.data.render import render_inputs
 
     package = OnnxPackage(args.package, threads=1, speculative=False)
     max_length = int(args.max_length or package.meta["max_length"])
@@ -125,26 +141,46 @@ def main(argv=None) -> int:
     empty = [name for name, formulas in splits.items() if not formulas]
     if empty:
         ap.error(f"no formulas of split(s) {', '.join(empty)} in {' '.join(map(str, args.formulas))}")
+    if max(args.varied) > 0:
+        from pipeline.data.templates import varied_formulas
+
+        splits["varied"] = varied_formulas(max(args.varied), seed=0)
+    cache = json.loads(args.cache.read_text()) if args.cache and args.cache.is_file() else {}
     readings = {}
     for name, formulas in splits.items():
-        images = np.stack([package.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
-        readings[name] = package.generate(images, max_length, batch_size=16).token_ids
+        key = f"{args.package.resolve()} {package.meta.get('max_length')} {max_length}"
+        known = cache.setdefault(key, {})
+        todo = [f for f in formulas if f"{name}\t{f}" not in known]
+        if todo:  # the package's plain greedy readings, one single-thread session a core side by side
+            items = render_inputs([(f, f) for f in todo], package.preprocess, desc=f"render {name}")
+            images = np.stack([np.asarray(x[2]) for x in items]).astype(np.float32)
+            known.update({f"{name}\t{f}": None for f in todo})  # not rendered: no reading
+            for (f, _, _), ids in zip(items, read(args.package, images, max_length, 16, os.cpu_count() or 1)):
+                known[f"{name}\t{f}"] = ids
+        readings[name] = [known[f"{name}\t{f}"] for f in formulas if known[f"{name}\t{f}"] is not None]
         print(f"[speculative] {name}: {len(formulas)} readings, {np.mean([len(r) for r in readings[name]]):.1f} tokens "
               f"a formula", flush=True)
+    if args.cache:
+        args.cache.write_text(json.dumps(cache))
     step_ms = widths_cost(package, 1)[1]
     cost = widths_cost(package, max(args.draft_lens) + 1)
     print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
     vocab = package._vocab()
     drafters = {}
-    for o in args.orders:
-        for m in args.min_counts:
-            counted = drafting.NgramDrafter.build(readings["train"], package.bos, o, m)  # counted once per order, min
-            for s in (s for s in args.self_lookups if s <= o):
-                for c in args.min_confidences:
-                    for t in args.tails:
-                        name = (f"ngram order {o} min {m}" + (f" self {s}" if s else "") + (f" conf {c:g}" if c else "")
-                                + (f" tail {t}" if t else ""))
-                        drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c, t)
+    settings = {}  # drafter name -> (order, min count, self lookup, confidence, tail, varied)
+    for v in args.varied:
+        built = readings["train"] + readings.get("varied", [])[:v]
+        for o in args.orders:
+            for m in args.min_counts:
+                counted = drafting.NgramDrafter.build(built, package.bos, o, m)  # counted once per order, min
+                for s in (s for s in args.self_lookups if s <= o):
+                    for c in args.min_confidences:
+                        for t in args.tails:
+                            name = (f"ngram order {o} min {m}" + (f" self {s}" if s else "")
+                                    + (f" conf {c:g}" if c else "") + (f" tail {t}" if t else "")
+                                    + (f" +varied {v}" if v else ""))
+                            drafters[name] = drafting.NgramDrafter(o, counted.table, s, counted.shares, c, t)
+                            settings[name] = (o, m, s, c, t, v)
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
     def judge(drafter, k: int, split: str, guide=None) -> dict:
@@ -181,6 +217,14 @@ def main(argv=None) -> int:
         for split in args.check:
             checks.append({"drafter": best["drafter"], "draft_len": best["draft_len"], "split": split,
                            "n": len(readings[split]), **judge(drafters[best["drafter"]], best["draft_len"], split)})
+    if args.ship_calib and args.check:  # the best ngram setting as a package would ship it: train and calib read
+        best = next(r for r in table if r["drafter"] in settings)
+        o, m, s, c, t, v = settings[best["drafter"]]
+        built = readings["train"] + readings["calib"] + readings.get("varied", [])[:v]
+        shipped = drafting.NgramDrafter.build(built, package.bos, o, m, s, c, t)
+        for split in args.check:
+            checks.append({"drafter": f"{best['drafter']} +calib", "draft_len": best["draft_len"], "split": split,
+                           "n": len(readings[split]), **judge(shipped, best["draft_len"], split)})
     if args.student_bound:
         from pipeline.tokenization.atoms import normalize_formula
 

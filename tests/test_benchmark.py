@@ -392,6 +392,28 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
         ("student bound, wrapper kept", "eval")]
     kept = bounds[3]  # the guide is what the package writes: every draft passes, never more calls than the table's
     assert kept["draft_len"] == best["draft_len"] and kept["calls_per_formula"] <= best["calls_per_formula"]
+    # more readings to draft from: the varied grammar's (judged on calib), the calib split's (checked on eval);
+    # the readings kept in a cache the next run reads instead of the package
+    cache = tmp_path / "readings.json"
+    more = [sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
+            str(tmp_path / "formulas.jsonl"), "--train", "6", "--calib", "4", "--orders", "3", "--min-counts", "1",
+            "--draft-lens", "4", "--check", "eval", "--max-length", "8", "--varied", "0", "3", "--ship-calib",
+            "--cache", str(cache), "--out", str(out)]
+    proc = subprocess.run(more, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads(out.read_text())
+    assert {r["drafter"] for r in table["rows"]} == {"ngram order 3 min 1", "ngram order 3 min 1 +varied 3"}
+    best, shipped = table["checks"]
+    assert shipped["drafter"] == f"{best['drafter']} +calib" and shipped["split"] == "eval"
+    kept = json.loads(cache.read_text())
+    (readings,) = kept.values()
+    assert sum(k.startswith("varied\t") for k in readings) == 3 and sum(k.startswith("calib\t") for k in readings) == 4
+    eos = json.loads((root / "export-ort_cpu" / "package.json").read_text())["eos_id"]
+    cache.write_text(json.dumps({key: {k: ([eos] if k.startswith("eval\t") else v) for k, v in readings.items()}
+                                 for key in kept}))  # eval read as EOS alone: the next run must take that
+    again = subprocess.run(more, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert {r["greedy_calls"] for r in json.loads(out.read_text())["checks"]} == {1.0}
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
                           str(tmp_path / "formulas.jsonl"), "--check", "shift"], capture_output=True, text=True,
                          timeout=300)
@@ -408,7 +430,8 @@ def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path
 
     out = tmp_path / "call.json"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decoder_call.py"), str(root / "export-ort_cpu"),
-                           "--past", "3", "--steps", "4", "--repeats", "2", "--calls", "5", "--out", str(out)],
+                           "--past", "3", "--steps", "4", "--repeats", "2", "--calls", "5", "--verify-widths", "1", "3",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())["packages"][str(root / "export-ort_cpu")]
@@ -416,6 +439,9 @@ def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path
     assert 0 < got["nodes_optimized"] <= got["nodes"]
     assert "MultiHeadAttention" in got["by_op"] and 0 < got["kernels"] <= got["model_run"]
     assert got["step_ms"] > 0 and got["step_ms_iobinding"] > 0
+    # decoder_verify profiled at each width asked: the same ops, more kernel time for more tokens
+    assert set(got["verify"]) == {"1", "3"} and "MultiHeadAttention" in got["verify"]["3"]["by_op"]
+    assert "decoder_verify, kernel us a call by width" in proc.stdout
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decoder_call.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not an exported package" in bad.stderr.splitlines()[-1]
