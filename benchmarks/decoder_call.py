@@ -132,14 +132,16 @@ def verify_profiles(package: OnnxPackage, past: list, cross: list, widths: list[
         ids = np.full((1, width), package.eos, dtype=np.int64)
         feed = dict(zip(package.io["decoder_verify"]["inputs"], [ids, *past, *cross]))
         out[width] = profile(path, feed, calls, threads)
-    ops = sorted({op for prof in out.values() for op in prof["by_op"]}, key=lambda op: -out[widths[-1]]["by_op"].get(op, 0))
+    widest = out[widths[-1]]["by_op"]
+    ops = sorted({op for prof in out.values() for op in prof["by_op"]}, key=lambda op: -widest.get(op, 0))
     span = widths[-1] - widths[0]
     print(f"  decoder_verify, kernel us a call by width (past {len(past) and past[0].shape[2]}, {calls} calls)"
           + (f"; us per extra token from width {widths[0]} to {widths[-1]}" if span else ""))
     print(f"    {'op':<24}" + "".join(f"{w:>8d}" for w in widths) + ("  per token" if span else ""))
     for op in [*ops, "kernels", "model_run"]:
         row = [out[w]["by_op"].get(op, 0.0) if op in ops else out[w][op] for w in widths]
-        print(f"    {op:<24}" + "".join(f"{v:8.0f}" for v in row) + (f"  {(row[-1] - row[0]) / span:9.1f}" if span else ""))
+        per_token = f"  {(row[-1] - row[0]) / span:9.1f}" if span else ""
+        print(f"    {op:<24}" + "".join(f"{v:8.0f}" for v in row) + per_token)
     return out
 
 

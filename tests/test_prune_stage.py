@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from pipeline.artifacts import sha256_file
 from pipeline.errors import PipelineError
+from pipeline.pruning import measure
 from pipeline.stages import prune
 from tiny_model import build_tiny, fake_ctx
 
@@ -252,9 +253,14 @@ def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_
 def test_holds_needs_both_tolerances_on_a_split():
     cfg = prune.PruneConfig()  # 1 point exact match, 5 % relative CER
     original = {"n": 10, "exact_match": 0.55, "cer": 0.20}
-    assert prune._holds({"n": 10, "exact_match": 0.545, "cer": 0.209}, original, cfg)["holds"]
-    assert not prune._holds({"n": 10, "exact_match": 0.535, "cer": 0.19}, original, cfg)["holds"]   # exact match
-    assert not prune._holds({"n": 10, "exact_match": 0.56, "cer": 0.211}, original, cfg)["holds"]   # CER
+
+    def holds(exact_match, cer):
+        return measure.holds({"n": 10, "exact_match": exact_match, "cer": cer}, original, cfg.em_tolerance,
+                             cfg.cer_tolerance)["holds"]
+
+    assert holds(0.545, 0.209)
+    assert not holds(0.535, 0.19)   # exact match
+    assert not holds(0.56, 0.211)   # CER
 
 
 def test_only_the_criteria_asked_for_are_computed_and_a_registered_one_can_be_chosen(tmp_path, tiny_folder):

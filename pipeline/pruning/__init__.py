@@ -1,4 +1,5 @@
-"""Attention-head pruning for the encoder: head scores, selection, recovery, counting.
+"""Attention-head pruning for the encoder: head scores, selection, recovery (in rounds), counting, and
+what stage prune measures of a model.
 
 Everything here works on attention modules that expose ``q_proj``/``k_proj``/``v_proj`` and an
 output projection (``out_proj`` or ``o_proj``) as ``nn.Linear``s, with ``num_heads`` and

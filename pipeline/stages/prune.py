@@ -11,29 +11,25 @@ split and on the shift split (formulas from packages training never saw), side b
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
 import shutil
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext
 from pipeline.data.render import render_inputs
 from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
-from pipeline.evaluation import EvalItem, evaluate_items
+from pipeline.evaluation import EvalItem
 from pipeline import readings
-from pipeline.device import placed
-from pipeline.pruning import count, recover, report as prune_report, scores as head_scores, select
+from pipeline.pruning import count, measure, recover, report as prune_report, rounds, scores as head_scores, select
 from pipeline.pruning.heads import projections
 from pipeline.reports import Phases
 
@@ -194,12 +190,6 @@ def _train_pool(ctx: StageContext, seed: int) -> list:
     return [train[i] for i in order]
 
 
-def _clone(adapter):
-    twin = copy.copy(adapter)
-    twin.model = copy.deepcopy(adapter.model)
-    return twin
-
-
 # ---- the stage --------------------------------------------------------------------------------
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     validate(cfg)
@@ -286,29 +276,29 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         variants["original"] = _baseline(original, eval_items, cfg, ctx, inputs)
         phases.lap("original's check reading")
 
-        pruned_raw = _clone(original)
-        pruned_raw.remove_encoder_heads(removed)
-        pruned_raw.pool_encoder_keys(pools)
+        pruned_raw = rounds.pruned_copy(original, removed, pools)
         if cfg.check_before_recovery or not (cfg.recovery and changed):
-            variants["pruned, before recovery"] = _measure(pruned_raw, original, eval_items, cfg, ctx, "pruned")
+            variants["pruned, before recovery"] = _measure(pruned_raw, eval_items, cfg, ctx, "pruned")
             phases.lap("check reading before recovery")
 
         recovery_log: dict = {}
         if cfg.recovery and changed:
-            pruned = _prune_and_recover(original, removed, chosen_scores, cfg, ctx, train_images, train_latex,
-                                        recovery_log, resume / "pruned", refit_extra, tune, pools)
+            pruned = rounds.prune_and_recover(original, removed, chosen_scores, cfg, train_images, train_latex,
+                                              recovery_log, resume / "pruned", ctx.seed, ctx.progress, ctx.device,
+                                              refit_extra, tune, pools)
             phases.lap("recovery")
-            variants["pruned, after recovery"] = _measure(pruned, original, eval_items, cfg, ctx, "recovered")
+            variants["pruned, after recovery"] = _measure(pruned, eval_items, cfg, ctx, "recovered")
             phases.lap("check reading after recovery")
         else:
             pruned = pruned_raw
         if cfg.compare_random and n_remove:
             rnd_log: dict = {}
-            rnd = _prune_and_recover(original, random_removed, all_scores["random"], cfg, ctx, train_images,
-                                     train_latex, rnd_log, resume / "random", refit_extra, tune, pools) \
-                if cfg.recovery else _removed(original, random_removed, pools)
+            rnd = rounds.prune_and_recover(original, random_removed, all_scores["random"], cfg, train_images,
+                                           train_latex, rnd_log, resume / "random", ctx.seed, ctx.progress,
+                                           ctx.device, refit_extra, tune, pools) \
+                if cfg.recovery else rounds.pruned_copy(original, random_removed, pools)
             label = "random heads, after recovery" if cfg.recovery else "random heads"
-            variants[label] = _measure(rnd, original, eval_items, cfg, ctx, "random")
+            variants[label] = _measure(rnd, eval_items, cfg, ctx, "random")
             recovery_log["random"] = rnd_log
             phases.lap("random heads")
 
@@ -336,7 +326,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "phase_seconds": phases.seconds,
         }
         final = variants.get("pruned, after recovery") or variants["pruned, before recovery"]
-        metrics["splits"] = {split: _holds(final["splits"][split], variants["original"]["splits"][split], cfg)
+        metrics["splits"] = {split: measure.holds(final["splits"][split], variants["original"]["splits"][split],
+                                                  cfg.em_tolerance, cfg.cer_tolerance)
                              for split in eval_items}
         metrics["holds_on_every_split"] = all(v["holds"] for v in metrics["splits"].values())
         metrics.update({
@@ -357,13 +348,6 @@ def _flat(s) -> list[float]:
     return [float(v) for row in s for v in row]
 
 
-def _removed(adapter, heads, pools: dict[int, list[int]]):
-    twin = _clone(adapter)
-    twin.remove_encoder_heads(heads)
-    twin.pool_encoder_keys(pools)
-    return twin
-
-
 def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
     """``prune.key_pool_layers`` -> {layer: window}, checked against the model (one error line)."""
     bad = [l for l in cfg.key_pool_layers if not 0 <= l < layers]
@@ -375,69 +359,13 @@ def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
     pools = {int(l): [int(v) for v in cfg.key_pool] for l in cfg.key_pool_layers}
     if pools:
         try:
-            _clone(adapter).pool_encoder_keys(pools)
+            rounds.clone(adapter).pool_encoder_keys(pools)
         except NotImplementedError as exc:
             raise PipelineError(f"prune.key_pool_layers={list(cfg.key_pool_layers)}: {exc}; "
                                 f"'prune.key_pool_layers=[]' prunes without pooling (stage=all pools layer 0)") from None
         except ValueError as exc:
             raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: {exc}") from None
     return pools
-
-
-def _prune_and_recover(original, removed: dict[int, list[int]], scores, cfg: PruneConfig, ctx: StageContext,
-                       images: torch.Tensor, latex: list[str], log: dict, resume: Path,
-                       refit_extra: Optional[torch.Tensor] = None,
-                       tune: Optional[tuple] = None, pools: Optional[dict[int, list[int]]] = None):
-    """Remove ``removed`` in ``cfg.iterations`` rounds (lowest scores first), recovering after each;
-    ``refit_extra``: more images for the refit alone; ``tune``: the finetune's (images, LaTeX,
-    targets), :func:`_finetune_set`'s; ``pools``: layers whose keys are pooled from the start
-    (:func:`_key_pools`; with no head removed, one recovery round for them alone)."""
-    tune_images, tune_latex, tune_ids = tune if tune is not None else (images[:0], [], None)
-    order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
-    rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
-              for i in range(cfg.iterations)]
-    if pools and not order:
-        rounds = [[]]
-    student = _clone(original)
-    student.pool_encoder_keys(pools or {})
-    current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
-    log["rounds"] = []
-    for r, chunk in enumerate(rounds):
-        if not chunk and not (pools and r == 0):
-            continue
-        now: dict[int, list[int]] = {}
-        for _, l, h in chunk:  # original head index -> its position in the current layer
-            now.setdefault(l, []).append(current[l].index(h))
-        student.remove_encoder_heads(now)
-        for _, l, h in chunk:
-            current[l].remove(h)
-        first = min([*now, *((pools or {}) if r == 0 else {})])
-        layers = list(range(first, len(current)))
-        entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
-        refit_n = min(cfg.refit_images, len(images))
-        t0 = time.process_time()
-        fit = images[:refit_n] if refit_extra is None else torch.cat([images[:refit_n], refit_extra])
-        entry["refit"] = recover.refit(student, original, fit, layers, ridge=cfg.ridge, progress=ctx.progress)
-        entry["refit_images"] = len(fit)
-        entry["refit_cpu_seconds"] = time.process_time() - t0
-        t0 = time.process_time()
-        entry["distill"] = recover.distill(
-            student, original, images[:cfg.distill_images], layers, epochs=cfg.distill_epochs, lr=cfg.distill_lr,
-            minutes=cfg.distill_minutes / cfg.iterations, seed=ctx.seed + r, progress=ctx.progress)
-        entry["distill_cpu_seconds"] = time.process_time() - t0
-        t0 = time.process_time()
-        entry["finetune_planned"] = _share(cfg.finetune_steps, r, cfg.iterations)
-        entry["finetune"] = recover.finetune(
-            student, original, tune_images, tune_latex, steps=_share(cfg.finetune_steps, r, cfg.iterations),
-            minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
-            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight, targets=tune_ids,
-            seed=ctx.seed + r, progress=ctx.progress, state_file=resume / f"finetune-round{r}.pt",
-            precision=cfg.finetune_precision, device=ctx.device)
-        entry["finetune_cpu_seconds"] = time.process_time() - t0
-        log["rounds"].append(entry)
-    log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
-                             for e in log["rounds"]) / 60
-    return student
 
 
 def _finetune_set(cfg: PruneConfig, ctx: StageContext, original, images: torch.Tensor, latex: list[str],
@@ -457,10 +385,6 @@ def _finetune_set(cfg: PruneConfig, ctx: StageContext, original, images: torch.T
     return tune_images, tune_latex, ids
 
 
-def _share(total: int, r: int, rounds: int) -> int:
-    return total // rounds + (1 if r < total % rounds else 0)
-
-
 def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> dict[str, list[EvalItem]]:
     """The first ``eval_limit`` renderable formulas of each of ``cfg.eval_splits``."""
     items = {}
@@ -472,40 +396,11 @@ def _eval_items(cfg: PruneConfig, ctx: StageContext, adapter) -> dict[str, list[
     return items
 
 
-def _measure(adapter, original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx: StageContext,
-             desc: str) -> dict:
-    """Size, encoder cost and accuracy on every split; the first split's accuracy also on top."""
+def _measure(adapter, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx: StageContext, desc: str) -> dict:
+    """:func:`pipeline.pruning.measure.measure` with the stage's and the model's settings."""
     mcfg = ctx.cfg.model
-    splits = {}
-    for split, split_items in items.items():
-        with placed(ctx.device, adapter):  # model.device: the torch reading runs there
-            r = evaluate_items(adapter, split_items, int(mcfg.max_length), int(mcfg.batch_size), image_match=False,
-                               progress=ctx.progress, desc=f"decode {desc} ({split})",
-                               use_cache=cfg.use_cache)["metrics"]
-        splits[split] = {"n": r["n"], "exact_match": r["exact_match"], "cer": r["cer"], "bleu": r["bleu"],
-                         "hit_cap_share": r["hit_cap_share"]}
-    first = next(iter(items.values()))
-    k = min(cfg.latency_images, len(first))
-    lat = count.encoder_latency_ms(adapter, torch.stack([it.image for it in first[:k]])) if k else float("nan")
-    return {
-        "params": count.parameters(adapter),
-        "attention_params": count.attention_parameters(adapter),
-        "encoder_gflops": count.encoder_flops(adapter) / 1e9,
-        "encoder_ms_batch1": lat,
-        **{key: next(iter(splits.values()))[key] for key in ("exact_match", "cer", "bleu", "hit_cap_share")},
-        "splits": splits,
-        "encoder_heads": adapter.encoder_head_counts(),
-    }
-
-
-def _holds(pruned: dict, original: dict, cfg: PruneConfig) -> dict:
-    """Whether the pruned model stays within the tolerances of the original on one split."""
-    em_drop = original["exact_match"] - pruned["exact_match"]
-    cer_rel = pruned["cer"] / original["cer"] - 1 if original["cer"] else float(pruned["cer"] > 0)
-    return {"n": pruned["n"], "exact_match": pruned["exact_match"], "exact_match_original": original["exact_match"],
-            "cer": pruned["cer"], "cer_original": original["cer"], "exact_match_drop": em_drop,
-            "cer_relative_change": cer_rel,
-            "holds": em_drop <= cfg.em_tolerance + 1e-12 and cer_rel <= cfg.cer_tolerance + 1e-12}
+    return measure.measure(adapter, items, int(mcfg.max_length), int(mcfg.batch_size), cfg.latency_images,
+                           cfg.use_cache, ctx.device, ctx.progress, desc)
 
 
 def _baseline(original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx: StageContext, inputs: dict) -> dict:
@@ -518,7 +413,7 @@ def _baseline(original, items: dict[str, list[EvalItem]], cfg: PruneConfig, ctx:
     # one folder per configuration, so sweeps with different eval sets do not evict each other
     with ctx.cache_output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
-            out.metrics.update(_measure(original, original, items, cfg, ctx, "original"))
+            out.metrics.update(_measure(original, items, cfg, ctx, "original"))
     return dict(out.metrics)
 
 
