@@ -123,6 +123,9 @@ PACKAGE = {
     "num_layers": INT(1), "num_heads": INT(1), "head_dim": INT(1), "hidden_size": INT(1),
     "input_shape": Spec("list", items=INT(1), length=3),
     "tokenizer": Spec("dict", optional=True, fields={"kind": Spec("str", optional=True)}),
+    # with a drafter: a batch of several images decodes speculatively too, image by image (its target's
+    # speculative_batches); absent (packages from before it): such a batch decodes in plain greedy steps
+    "speculative_batches": Spec("bool", optional=True),
 }
 
 # the fields every kind has; each kind's own fields are checked by pipeline/preprocessing.py's registry

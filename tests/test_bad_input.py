@@ -714,6 +714,8 @@ def test_a_targets_drafter_defaults_are_its_yamls_and_a_bad_one_fails_before_the
     cpu, trt, metax = (resolve_target(target_config(n)) for n in ("ort_cpu", "tensorrt", "metax"))
     assert (cpu.draft_min_confidence, cpu.draft_tail) == (0.7, 1)
     assert (trt.draft_min_confidence, trt.draft_tail) == (metax.draft_min_confidence, metax.draft_tail) == (0.0, 0)
+    # and how a batch of several images decodes: image by image speculatively on a CPU, greedy steps on a GPU
+    assert cpu.speculative_batches and not trt.speculative_batches and not metax.speculative_batches
     one_error(run_cli("stage=all", "target=metax", "target.draft_tail=-2", f"artifacts.dir={tmp_path / 'a'}"),
               "error: config: target.draft_tail must be >= 0, got -2")
     assert not (tmp_path / "a").exists()  # nothing written

@@ -117,8 +117,11 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     assert "| encoder p50 ms, batch 1 |" in report and f"| {d:.1f} |" in report
     assert set(m["phase_seconds"]) == {"load and render", "accuracy", "timing", "speculative check", "latency",
                                        "serving", "peak memory"}
-    # the twin shares the batched reading; the speculative check reads every formula both ways at batch 1
+    # an ort_cpu package reads a batch image by image speculatively (package.json: speculative_batches), so its
+    # greedy twin reads the split itself, in greedy steps (the tiny float model: the same tokens); the
+    # speculative check reads every formula both ways at batch 1
     assert by["deployable (greedy)"]["exact_match"] == by["deployable"]["exact_match"]
+    assert by["deployable (greedy)"]["timed_n"] == 4 and any("image by image speculatively" in n for n in m["notes"])
     spec = m["speculative"]["deployable"]
     assert spec["drafter"] == "ngram" and set(spec["splits"]) == {"formulas"}
     r = spec["splits"]["formulas"]
@@ -126,7 +129,8 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
     assert 1 <= r["calls_per_formula"] <= r["greedy_calls_per_formula"]
     assert "## Speculative decoding" in report and "| deployable | ngram (k=8) | formulas | 10 | 1.000 | 1.000 |" in report
     assert set(json.loads((folder / "predictions.jsonl").read_text().splitlines()[0])) == \
-        {"truth", "torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine"}
+        {"truth", "torch tiny-model", "torch tiny-model + KV cache", "deployable", "mine", "deployable (greedy)",
+         "mine (greedy)"}
 
 
 def test_packages_read_side_by_side_read_what_they_read_alone(root, benched):

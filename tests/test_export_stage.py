@@ -80,6 +80,37 @@ def test_the_package_decodes_speculatively_as_it_decodes_greedily(ort_pkg):
     assert wrong.token_ids == exact.token_ids and wrong.calls == exact.calls
 
 
+def test_a_cpu_package_reads_a_batch_image_by_image_speculatively(ort_pkg, tmp_path):
+    """ort_cpu (TargetConfig.speculative_batches): a batch of several images is encoded at once, then each
+    image decoded speculatively on its own, as a batch of one is; a package without the setting (a GPU
+    target's, or one from before it) decodes the batch in greedy steps."""
+    import shutil
+
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+
+    assert json.loads((ort_pkg / "package.json").read_text())["speculative_batches"] is True
+    fast = OnnxPackage(ort_pkg, threads=1)
+    assert fast.speculative_batches and not OnnxPackage(ort_pkg, threads=1, speculative=False).speculative_batches
+    formulas = [r"\frac{a+b}{c}", r"\sum_{i=1}^{n} i^2", r"\sqrt{x^2+y^2}", r"\alpha\beta\gamma", r"a_{n+1}"]
+    images = np.stack([fast.preprocess(render_formula(f)) for f in formulas]).astype(np.float32)
+    one = fast.generate(images, MAX_LENGTH, batch_size=1)
+    batched = fast.generate(images, MAX_LENGTH, batch_size=3)  # a batch of 3, then one of 2
+    assert batched.token_ids == one.token_ids and batched.calls == one.calls
+    assert sum(batched.calls) < sum(len(t) for t in batched.token_ids)  # fewer decoder calls than tokens
+    greedy_pkg = tmp_path / "greedy-batches"
+    shutil.copytree(ort_pkg, greedy_pkg)
+    meta = json.loads((greedy_pkg / "package.json").read_text())
+    del meta["speculative_batches"]
+    (greedy_pkg / "package.json").write_text(json.dumps(meta))
+    other = OnnxPackage(greedy_pkg, threads=1)
+    assert other.speculative and not other.speculative_batches
+    steps = other.generate(images, MAX_LENGTH, batch_size=3)
+    assert steps.calls == [len(t) for t in steps.token_ids]  # one decoder call a token: greedy steps
+    assert steps.token_ids == OnnxPackage(greedy_pkg, threads=1, speculative=False).generate(
+        images, MAX_LENGTH, batch_size=3).token_ids
+
+
 def test_the_drafters_readings_in_side_by_side_sessions_are_one_sessions_in_order(ort_pkg):
     """export.drafter=ngram reads the train formulas in one single-thread session a core, each every n-th
     image: the readings come back in the images' order, as one session reads them."""
@@ -218,6 +249,9 @@ def test_metax_package_from_symmetric_qdq_passes_validator_and_parity(float_enco
     assert parity["precision"]["encoder"] == "int8 qdq + fp16"
     assert np.isfinite(parity["tensors"]["encoder.memory"]["snr_db"])
     assert "PASS" in (pkg / "report.md").read_text()
+    # a GPU target: a batch of several images decodes in greedy steps, not image by image
+    meta = json.loads((pkg / "package.json").read_text())
+    assert meta["drafter"] == "drafter.json" and meta["speculative_batches"] is False
 
 
 def test_tensorrt_commands_are_written_beside_the_onnx(ort_pkg, tmp_path):

@@ -116,8 +116,9 @@ def test_batched_answers_equal_stage_infer_raw_and_multipart(server, images, inf
     got = side_by_side(predict, [(server, images[0]), (server, images[1]), (server, form, form_type)])
     assert [s for s, _ in got] == [200, 200, 200], got
     assert [b["latex"] for _, b in got] == [infer_answers[0], infer_answers[1], infer_answers[1]]
-    assert [b["batch"] for _, b in got] == [3, 3, 3]  # read together, in one greedy batch
-    assert all(b["ms"] > 0 and not b["speculative"] for _, b in got)
+    assert [b["batch"] for _, b in got] == [3, 3, 3]  # read together: one encoder call for the three
+    # an ort_cpu package decodes a batch image by image speculatively (package.json: speculative_batches)
+    assert all(b["ms"] > 0 and b["speculative"] for _, b in got)
     status, _, body = request(server, "GET", "/metrics")
     text = body.decode()
     assert status == 200 and 'formula_serve_batch_size_bucket{le="3.0"} 1.0' in text
@@ -232,7 +233,7 @@ def test_sigterm_drains_accepted_requests_refuses_new_and_exits_0(pkg, images, i
     assert any("draining" in line for line in s.err), s.err[-5:]
 
 
-def test_alone_in_the_queue_reads_speculatively_and_grouping_keeps_the_oldest(pkg, images, infer_answers):
+def test_which_batches_read_speculatively_and_grouping_keeps_the_oldest(pkg, images, infer_answers, tmp_path):
     from pipeline.export.runtime import OnnxPackage
     from pipeline.serving.scheduler import Job, Scheduler, take_batch
 
@@ -245,6 +246,28 @@ def test_alone_in_the_queue_reads_speculatively_and_grouping_keeps_the_oldest(pk
     finally:
         scheduler.close()
     assert reading.speculative and reading.batch == 1 and reading.latex == infer_answers[1]
+
+    # a package whose batches decode in greedy steps (a GPU target's: no speculative_batches) reads a
+    # batch of two so, and a lone image speculatively
+    import shutil
+
+    gpu_like = tmp_path / "gpu-like"
+    shutil.copytree(pkg, gpu_like)
+    meta = json.loads((gpu_like / "package.json").read_text())
+    meta["speculative_batches"] = False
+    (gpu_like / "package.json").write_text(json.dumps(meta))
+    arrays = [package.preprocess(Image.open(io.BytesIO(data))) for data in images[:2]]
+    for folder, batched_speculatively in ((pkg, True), (gpu_like, False)):
+        scheduler = Scheduler([OnnxPackage(folder, threads=1)], max_length=int(package.meta["max_length"]),
+                              max_batch=4, max_wait_s=5)
+        try:
+            pair = [scheduler.submit(a) for a in arrays]  # the second arrives inside the first's window
+            readings = [f.result(120) for f in pair]
+        finally:
+            scheduler.close()
+        assert [r.batch for r in readings] == [2, 2]
+        assert [r.speculative for r in readings] == [batched_speculatively] * 2, folder
+        assert [r.latex for r in readings] == infer_answers[:2]
 
     jobs = [Job(np.zeros(1), width) for width in (50, 400, 60, 390, 55, 410)]
     queue = list(jobs)

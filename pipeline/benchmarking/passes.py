@@ -20,7 +20,7 @@ from pipeline.benchmarking.variants import Lineup, Variant
 @dataclass
 class SplitReading:
     """One split's images, their truths, and each variant's reading of them (label -> the dict of
-    :func:`.measure.accuracy`; a greedy twin's is its package's, the same object)."""
+    :func:`.measure.accuracy`; a sharing greedy twin's is its package's, the same object)."""
     images: np.ndarray
     truths: list[str]
     reads: dict[str, dict]
@@ -62,7 +62,8 @@ def time_quietly(variants: list[Variant], reads: dict[str, dict], images: np.nda
 
 
 def share_with_twins(reads: dict[str, dict], twins: dict[str, Variant]) -> None:
-    """Each greedy twin's batched reading is its package's (batches decode greedy in both)."""
+    """Each of ``twins``' batched reading is its package's (:attr:`Lineup.sharing`: batches decode greedy
+    in both)."""
     for label, v in twins.items():
         reads[label] = reads[v.label]
 
@@ -73,7 +74,7 @@ def read_split(lineup: Lineup, name: str, images: np.ndarray, truths: list[str],
     bar = tqdm(total=len(lineup.packages), desc=f"accuracy ({name})", disable=not progress)
     reads = measure.accuracy_parallel(lineup.packages, images, truths, max_length, batch_size, workers, bar.update)
     bar.close()
-    share_with_twins(reads, lineup.twins)
+    share_with_twins(reads, lineup.sharing)
     return SplitReading(images, truths, reads)
 
 

@@ -13,8 +13,8 @@ from pipeline.reports import markdown_table
 
 def write_artifacts(folder: Path, m: dict, main: SplitReading, other: dict[str, SplitReading], twins: dict,
                     baseline_label: str) -> None:
-    """All of them, from the metrics ``m`` and the readings (a greedy twin's are its package's: not
-    written twice)."""
+    """All of them, from the metrics ``m`` and the readings (a greedy twin in ``twins`` shares its
+    package's: not written twice)."""
     (folder / "benchmark.json").write_text(json.dumps(m, indent=2) + "\n")
     labels = [v["label"] for v in m["variants"] if v["label"] not in twins]
     write_predictions(folder / "predictions.jsonl", main, labels)

@@ -151,9 +151,15 @@ class Lineup:
         return second if second is not None and second.kind == TORCH_KV else self.shipped
 
     @property
+    def sharing(self) -> dict[str, Variant]:
+        """The twins that share their package's batched readings: those whose package decodes a batch of
+        several images in plain greedy steps too (not ``speculative_batches``)."""
+        return {label: v for label, v in self.twins.items() if not v.package.speculative_batches}
+
+    @property
     def read(self) -> list[Variant]:
-        """The variants with a batched reading of their own (a twin shares its package's)."""
-        return [v for v in self.variants if v.label not in self.twins]
+        """The variants with a batched reading of their own (a sharing twin has its package's)."""
+        return [v for v in self.variants if v.label not in self.sharing]
 
     @property
     def packages(self) -> list[Variant]:
@@ -163,8 +169,9 @@ class Lineup:
 
 def with_greedy_twins(variants: list[Variant], threads: int) -> Lineup:
     """``variants``, then each package that decodes speculatively at batch 1 again as "<label> (greedy)":
-    the same package, plain greedy. Batches of more than one image decode greedy in both, so a twin
-    shares its package's batched readings."""
+    the same package, plain greedy. Where the package decodes batches of more than one image in greedy
+    steps too, the twin shares its package's batched readings (:attr:`Lineup.sharing`); where it reads
+    them speculatively image by image (``speculative_batches``), the twin reads its own."""
     twins = {f"{v.label} (greedy)": v for v in variants if v.package is not None and v.package.speculative}
     return Lineup(variants + [package_variant(label, Path(v.location), threads, speculative=False)
                               for label, v in twins.items()], twins)

@@ -165,7 +165,7 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
                                    int8=cfg.draft_int8 and target.provider == "CPUExecutionProvider")
             drafter = guided(drafter, entry, cfg.student_min_match)
             source.update({"student": cfg.draft_model, "min_match": cfg.student_min_match})
-    install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source})
+    install(folder, drafter, cfg.draft_len, {"kind": cfg.drafter, **source}, target.speculative_batches)
     return source
 
 
@@ -204,8 +204,9 @@ def verdict(speculative: dict, min_identical: float, tie_margin: float) -> list[
     return failures
 
 
-def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
-    """Write ``drafter.json`` into the package and name it in ``package.json``."""
+def install(folder: Path, drafter, draft_len: int, source: dict, batches: bool = False) -> None:
+    """Write ``drafter.json`` into the package and name it in ``package.json``; ``batches``: a batch of
+    several images decodes speculatively too, each image on its own (the target's ``speculative_batches``)."""
     drafting.save(drafter, folder / DRAFTER_FILE, draft_len, source)
     meta_path = folder / PACKAGE_META
     meta = json.loads(meta_path.read_text())
@@ -216,6 +217,7 @@ def install(folder: Path, drafter, draft_len: int, source: dict) -> None:
         "position, drafts are accepted while they equal it, the first that differs is written too, and the "
         "present K/V is cut to the tokens written: greedy's reading token for token, up to near-ties the verify "
         "graph rounds unlike the step")
+    meta["speculative_batches"] = bool(batches)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 

@@ -213,6 +213,14 @@ class OnnxPackage:
     def speculative(self) -> bool:
         return self.drafter is not None
 
+    @property
+    def speculative_batches(self) -> bool:
+        """Whether a batch of several images decodes speculatively too, image by image after the batch's
+        encoder call (``package.json: speculative_batches``, its target's): on a CPU a batched greedy step
+        reads every row's cross-attention K/V and gains nothing from the batch. False: such a batch decodes
+        in plain greedy steps, all rows at once (a GPU; packages from before the key)."""
+        return self.speculative and bool(self.meta.get("speculative_batches", False))
+
     def use_graph(self, graph: str, path: str | Path) -> None:
         """Run ``graph`` from ``path`` (same inputs and outputs): how a quantized encoder variant is
         tried against the package's decoder without writing a package per variant."""
@@ -275,8 +283,9 @@ class OnnxPackage:
                  progress: Callable[[int], None] | None = None, speculative: bool | None = None) -> DecodeResult:
         """Greedy decoding as :meth:`ModelAdapter.generate` does it (cap includes BOS, finished
         rows leave the batch), with the KV cache: one decoder step per new token. A package with a
-        drafter reads batches of one speculatively (the same tokens, fewer decoder calls) unless
-        ``speculative=False`` (a server reading one image while others wait: plain greedy)."""
+        drafter reads batches of one speculatively (the same tokens, fewer decoder calls), and batches of
+        more image by image the same way where :attr:`speculative_batches` says so, unless
+        ``speculative=False`` (plain greedy)."""
         spec = self.speculative if speculative is None else speculative and self.speculative
         return self._decode(images, max_length, batch_size, progress, "speculative" if spec else "greedy")
 
@@ -298,10 +307,11 @@ class OnnxPackage:
             t0 = time.perf_counter()
             memory = self.encode(batch)
             t1 = time.perf_counter()
-            if how == "speculative" and batch.shape[0] == 1:
-                before = self.spec_stats.calls
-                all_ids.append(self._speculative(memory, max_length))
-                calls.append(self.spec_stats.calls - before)
+            if how == "speculative" and (batch.shape[0] == 1 or self.speculative_batches):
+                for row in range(batch.shape[0]):  # each image on its own: rows accept different drafts
+                    before = self.spec_stats.calls
+                    all_ids.append(self._speculative(memory[row:row + 1], max_length))
+                    calls.append(self.spec_stats.calls - before)
             elif how == "verify_greedy":
                 stats = SpeculativeStats()
                 all_ids.append(self._speculative(memory, max_length, drafted=False, stats=stats))

@@ -21,6 +21,7 @@ class Target:
     rules: Rules
     draft_min_confidence: float  # the ngram drafter's defaults for its packages (TargetConfig, conf/target/*.yaml)
     draft_tail: int
+    speculative_batches: bool   # a batch's rows decoded speculatively one by one (true) or in greedy steps
     required_provider_options: tuple[str, ...] = ()
 
 
@@ -53,7 +54,7 @@ def resolve_target(tcfg: Any) -> Target:
     if int(tcfg.draft_tail) < 0:
         raise PipelineError(f"target.draft_tail must be >= 0, got {tcfg.draft_tail}")
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
-                  float(tcfg.draft_min_confidence), int(tcfg.draft_tail),
+                  float(tcfg.draft_min_confidence), int(tcfg.draft_tail), bool(tcfg.speculative_batches),
                   tuple(str(k) for k in tcfg.required_provider_options or ()))
 
 

@@ -24,8 +24,8 @@ class ServeMetrics:
         self.batch_size = Histogram("formula_serve_batch_size", "Images a worker decoded in one batch",
                                     buckets=tuple(range(1, max_batch + 1)), registry=r)
         self.speculative = Counter("formula_serve_speculative_batches",
-                                   "Batches of one decoded speculatively (queue empty, package with a drafter)",
-                                   registry=r)
+                                   "Batches decoded speculatively (a package with a drafter: every batch where its "
+                                   "batches decode so, else a batch of one with the queue empty)", registry=r)
         self.latency = Histogram("formula_serve_request_seconds", "POST /predict time, body read to answer",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait = Histogram("formula_serve_queue_wait_seconds", "Time an image waited for its batch",

@@ -5,8 +5,10 @@ app answers with 503). Each worker is a thread with an :class:`OnnxPackage` of i
 sessions; ONNX Runtime releases the GIL while it computes). A worker takes the oldest image and
 waits up to ``max_wait_s`` after that image arrived for more, up to ``max_batch``; with more waiting
 than fit, the oldest is joined by the ones nearest to it in ink width (a stand-in for reading
-length: rows of a greedy batch run until the longest one ends). A batch of one taken while nothing
-else waits is decoded speculatively when the package has a drafter; every other batch plain greedy.
+length: rows of a greedy batch run until the longest one ends). A package with a drafter whose batches
+decode speculatively (``package.json: speculative_batches``, a CPU target's) reads every batch so, image
+by image; another package with a drafter reads a batch of one taken while nothing else waits
+speculatively, every other batch in plain greedy steps.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class Draining(Exception):
 class Reading:
     latex: str
     batch: int          # images decoded together with this one (itself included)
-    speculative: bool   # read speculatively (batch of one, queue empty, package with a drafter)
+    speculative: bool   # read speculatively (a package with a drafter: its batches, or a lone batch of one)
     hit_cap: bool       # stopped by max_length, not EOS
 
 
@@ -161,7 +163,10 @@ class Scheduler:
                 return
             batch, alone = due
             if batch:
-                self._read(package, batch, speculative=alone and len(batch) == 1 and package.speculative)
+                # a package whose batches decode speculatively (a CPU target) reads every batch so; else
+                # only a batch of one taken while nothing else waits
+                lone = alone and len(batch) == 1
+                self._read(package, batch, speculative=package.speculative and (lone or package.speculative_batches))
 
     def _read(self, package: OnnxPackage, batch: list[Job], speculative: bool) -> None:
         started = time.monotonic()

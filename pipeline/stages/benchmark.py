@@ -199,7 +199,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                "source": source, "max_length": max_length, "threads": int(cfg.threads), "batch_size": cfg.batch_size,
                "latency_images": latency[lineup.shipped.label]["n"], "extra_splits": list(other), "variants": table,
                "serving": serving, "notes": notes, "speculative": spec, "phase_seconds": phases.seconds}
-    report.write_artifacts(folder, metrics, main, other, lineup.twins, BASELINE_LABEL)
+    report.write_artifacts(folder, metrics, main, other, lineup.sharing, BASELINE_LABEL)
     return metrics
 
 
@@ -235,12 +235,18 @@ def _accuracy(cfg: BenchmarkConfig, ctx: StageContext, lineup: Lineup, images: n
                      f"encoder / decoder ms per formula come from a second pass on the first {k} images, one "
                      f"package at a time")
         lap("timing")
-    passes.share_with_twins(reads, lineup.twins)
-    if lineup.twins:
-        twins = lineup.twins
+    passes.share_with_twins(reads, lineup.sharing)
+    if lineup.sharing:
+        twins = lineup.sharing
         notes.append(f"{', '.join(twins)}: the same package{'s' if len(twins) > 1 else ''} decoding plain greedy at "
                      f"batch 1 (benchmark.greedy_rows); batched passes decode greedy in both rows: the accuracy, "
                      f"images/s and batched ms are the speculative row's")
+    own = [label for label in lineup.twins if label not in lineup.sharing]
+    if own:
+        notes.append(f"{', '.join(own)}: the same package{'s' if len(own) > 1 else ''} decoding plain greedy, "
+                     f"batches in greedy steps (benchmark.greedy_rows); the speculative row reads a batch image by "
+                     f"image speculatively (package.json: speculative_batches, its target's): the accuracy, "
+                     f"images/s and batched ms of each row are its own")
     return reads
 
 

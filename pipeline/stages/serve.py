@@ -34,7 +34,8 @@ class ServeConfig:
     max_wait_ms: float = 10.0          # how long the oldest waiting image may wait for a fuller batch
     max_queue: int = 64                # images waiting at most; a request beyond answers 503
     group_by_length: bool = True       # a batch joins the oldest image with the nearest in ink width
-    speculative: bool = True           # a batch of one, nothing else waiting, read speculatively (package with a drafter)
+    speculative: bool = True           # a package with a drafter reads speculatively: every batch where its target
+                                       # says so (package.json: speculative_batches, ort_cpu), else a lone batch of one
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
     max_bytes: int = 4_000_000         # largest request body (413 above)
     read_timeout_s: float = 10.0       # a body must arrive within this (408: a slow client)
@@ -83,12 +84,13 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict:
                           cfg.group_by_length, metrics)
     spec = first.preprocess_spec
     info = {"package": str(folder), "target": first.meta["target"], "max_batch": cfg.max_batch,
-            "speculative": first.speculative}
+            "speculative": first.speculative, "speculative_batches": first.speculative_batches}
     limits = Limits(cfg.max_bytes, cfg.read_timeout_s, cfg.header_timeout_s)
     app = ServeApp(scheduler, lambda image: preprocess_image(image, spec), limits, metrics, info)
 
     def announce(host: str, port: int) -> None:
-        how = "speculative when alone" if first.speculative else "greedy"
+        how = ("speculative" if first.speculative_batches else "speculative when alone") if first.speculative \
+            else "greedy"
         print(f"serving http://{host}:{port} (POST /predict, GET /health, GET /metrics): {folder}, "
               f"{workers} worker(s) x {threads} thread(s), batches up to {cfg.max_batch} ({how})", flush=True)
 
