@@ -41,7 +41,7 @@ def test_defaults_compose_and_stage_group_selects_stage():
     assert chain.search_split == "train" and chain.search_split not in chain.eval_splits
     assert compose_cfg(["stage=all", "preset=thorough"]).quantize.search_images >= 1779
     # the speculative check (export.drafter=ngram) reads the first 64 of each split; thorough and the stage: all
-    assert compose_cfg(["stage=all"]).benchmark.speculative_limit == 64
+    assert compose_cfg(["stage=all"]).benchmark.speculative_limit == 32
     assert compose_cfg(["stage=all", "preset=thorough"]).benchmark.speculative_limit is None
     assert compose_cfg(["stage=benchmark"]).benchmark.speculative_limit is None
     # ... after a quantization-aware finetune of the encoder (off in the stage alone)
