@@ -146,19 +146,19 @@ def main(argv=None) -> int:
 
         splits["varied"] = varied_formulas(max(args.varied), seed=0)
     cache = json.loads(args.cache.read_text()) if args.cache and args.cache.is_file() else {}
+    known = cache.setdefault(f"{args.package.resolve()} cap {max_length} batch 1", {})
     readings = {}
     for name, formulas in splits.items():
-        key = f"{args.package.resolve()} {package.meta.get('max_length')} {max_length}"
-        known = cache.setdefault(key, {})
         todo = [f for f in formulas if f"{name}\t{f}" not in known]
-        if todo:  # the package's plain greedy readings, one single-thread session a core side by side
+        if todo:  # the package's plain greedy readings image by image (as export's drafter reads them), one
+            # single-thread session a core side by side
             items = render_inputs([(f, f) for f in todo], package.preprocess, desc=f"render {name}")
             images = np.stack([np.asarray(x[2]) for x in items]).astype(np.float32)
             known.update({f"{name}\t{f}": None for f in todo})  # not rendered: no reading
-            for (f, _, _), ids in zip(items, read(args.package, images, max_length, 16, os.cpu_count() or 1)):
+            for (f, _, _), ids in zip(items, read(args.package, images, max_length, 1, os.cpu_count() or 1)):
                 known[f"{name}\t{f}"] = ids
         readings[name] = [known[f"{name}\t{f}"] for f in formulas if known[f"{name}\t{f}"] is not None]
-        print(f"[speculative] {name}: {len(formulas)} readings, {np.mean([len(r) for r in readings[name]]):.1f} tokens "
+        print(f"[speculative] {name}: {len(readings[name])} readings, {np.mean([len(r) for r in readings[name]]):.1f} tokens "
               f"a formula", flush=True)
     if args.cache:
         args.cache.write_text(json.dumps(cache))
