@@ -100,7 +100,8 @@ class TargetConfig:
     # a batch of several images in a package with a drafter: true, each image decoded speculatively on its
     # own after the batch's encoder call; false, the batch in plain greedy steps. A CPU: true (a batched
     # step reads every row's cross-attention K/V from memory and gains nothing from the batch: 1 thread,
-    # 64 eval formulas, batch 8 greedy 140 ms a formula, speculatively row by row 100; docs/export.md).
+    # 64 calib formulas, batch 8 greedy 131 ms a formula, speculatively row by row 97; eval 140 / 100,
+    # shift 146 / 102; docs/export.md).
     # A GPU: false (a batched step costs about what one row's does: the premise, untimed)
     speculative_batches: bool = True
 
