@@ -105,7 +105,8 @@ class OnnxPackage:
 
     ``speculative``: decode a batch of one speculatively where the package can (its readings are
     token for token greedy's); False: plain greedy always. Batches of more than one image decode
-    plain greedy (rows would accept drafts of different lengths)."""
+    image by image speculatively where the package's target says so (:attr:`speculative_batches`: a
+    CPU's), else in plain greedy steps (rows would accept drafts of different lengths)."""
 
     def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True):
         import onnxruntime as ort
