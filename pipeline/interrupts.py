@@ -17,6 +17,7 @@ from pipeline.errors import Interrupted
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _received: list[int] = []   # signals seen by this process, in order
 _publishing = False         # inside a folder swap: the handler only records
+_published: list[str] = []  # folders this process has swapped into place, in order
 
 
 def _importing(frame) -> bool:
@@ -46,7 +47,9 @@ def _unraisable(unraisable) -> None:
 
 
 def install() -> bool:
-    """Route SIGINT and SIGTERM through the flag (main thread only; False where that is impossible)."""
+    """Route SIGINT and SIGTERM through the flag (main thread only; False where that is impossible).
+    A run starts here: what an earlier run in this process published is not this run's."""
+    _published.clear()
     try:
         for sig in SIGNALS:
             signal.signal(sig, _handler)
@@ -71,14 +74,21 @@ def received() -> bool:
 
 
 def reset() -> None:
-    """Forget earlier signals (tests that run stages in-process)."""
+    """Forget earlier signals and publishes (tests that run stages in-process)."""
     _received.clear()
+    _published.clear()
 
 
 def message(where: str = "") -> str:
-    """The one line an interrupted run ends with, naming the first signal seen."""
+    """The one line an interrupted run ends with, naming the first signal seen and, when the run had
+    already swapped folders into place (a signal after a stage's publish, or in a later stage of
+    ``stage=all``), those folders: they are new, what came after them is untouched."""
     name = f" ({signal.Signals(_received[0]).name})" if _received else ""
-    return f"interrupted{name}{' ' + where if where else ''}; previous artifacts left as they were"
+    head = f"interrupted{name}{' ' + where if where else ''}"
+    if _published:
+        done = _published[0] if len(_published) == 1 else f"{len(_published)} folders, the last {_published[-1]}"
+        return f"{head}; it had published {done}; nothing else changed"
+    return f"{head}; previous artifacts left as they were"
 
 
 def check(where: str = "") -> None:
@@ -98,6 +108,7 @@ def publishing(what: str) -> Iterator[None]:
         yield
     finally:
         _publishing = False
+    _published.append(what)
     if len(_received) > seen:  # the signal came during the swap: it is done, stop right after it
         name = signal.Signals(_received[seen]).name
         raise Interrupted(f"interrupted ({name}) while publishing {what}, which is now the new folder; "
