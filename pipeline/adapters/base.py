@@ -7,6 +7,7 @@ name and chosen with ``model.adapter``.
 from __future__ import annotations
 
 import abc
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,13 @@ class ModelAdapter(abc.ABC):
         """The decoder's attention over the encoder output, its norms included: what
         ``distill.freeze_cross_attention`` keeps as the char model learnt it."""
         raise PipelineError(f"model family {self.family!r} does not say which parameters read the encoder output")
+
+    def clone(self) -> "ModelAdapter":
+        """A copy with its own model (a deep copy of the weights; the rest shared): what a stage changes
+        (heads removed, keys pooled, fake quantizers) while the original stays as it is."""
+        twin = copy.copy(self)
+        twin.model = copy.deepcopy(self.model)
+        return twin
 
     # ---- compute ------------------------------------------------------------------------------
     @property

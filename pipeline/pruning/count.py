@@ -1,7 +1,6 @@
 """Parameters, encoder FLOPs (``torch.utils.flop_counter``) and encoder latency of an adapter."""
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -20,8 +19,7 @@ def encoder_flops(adapter, batch: int = 1) -> int:
 
 def flops_per_head(adapter) -> int:
     """Encoder FLOPs one head costs: measured by removing head 0 of the first layer on a copy."""
-    probe = copy.copy(adapter)
-    probe.model = copy.deepcopy(adapter.model)
+    probe = adapter.clone()
     probe.remove_encoder_heads({0: [0]})
     return encoder_flops(adapter) - encoder_flops(probe)
 

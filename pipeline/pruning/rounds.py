@@ -8,7 +8,6 @@ from the start, so the first round's recovery trains them in (with no head remov
 """
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Optional
@@ -18,17 +17,10 @@ import torch
 from pipeline.pruning import recover
 
 
-def clone(adapter):
-    """A copy of ``adapter`` with its own model (the original stays as it is)."""
-    twin = copy.copy(adapter)
-    twin.model = copy.deepcopy(adapter.model)
-    return twin
-
-
 def pruned_copy(adapter, heads: dict[int, list[int]], pools: dict[int, list[int]]):
     """A copy of ``adapter`` without ``heads`` ({layer: head indices}) and with ``pools``' keys pooled,
     not recovered."""
-    twin = clone(adapter)
+    twin = adapter.clone()
     twin.remove_encoder_heads(heads)
     twin.pool_encoder_keys(pools)
     return twin
@@ -54,7 +46,7 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
               for i in range(cfg.iterations)]
     if pools and not order:
         rounds = [[]]
-    student = clone(original)
+    student = original.clone()
     student.pool_encoder_keys(pools or {})
     current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
     log["rounds"] = []

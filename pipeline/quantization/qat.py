@@ -15,7 +15,6 @@ products stay float, as in the graphs.
 """
 from __future__ import annotations
 
-import copy
 import importlib
 import threading
 import time
@@ -116,14 +115,12 @@ def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: in
         with tqdm(total=len(images), desc="QAT: float readings", disable=not progress) as bar:
             targets = own_predictions(teacher, images, max_length, read_batch, use_cache=True, progress=bar.update)
     read_s = time.perf_counter() - started
-    student = copy.copy(teacher)
-    student.model = copy.deepcopy(teacher.model)
+    student = teacher.clone()
     quantized = fake_quantize(student.model, encoder_linears(teacher), calib, student.encode, percentile)
     log = recover.finetune(student, teacher, images, [""] * len(images), steps=steps, minutes=minutes, lr=lr,
                            batch_size=batch_size, scope="encoder", targets=targets, seed=seed, progress=progress,
                            precision=precision, device=device)
-    out = copy.copy(teacher)
-    out.model = copy.deepcopy(teacher.model)
+    out = teacher.clone()
     out.model.load_state_dict({k: v for k, v in student.model.state_dict().items() if "_quantizer" not in k},
                               strict=True)
     out.model.eval()

@@ -359,7 +359,7 @@ def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
     pools = {int(l): [int(v) for v in cfg.key_pool] for l in cfg.key_pool_layers}
     if pools:
         try:
-            rounds.clone(adapter).pool_encoder_keys(pools)
+            adapter.clone().pool_encoder_keys(pools)
         except NotImplementedError as exc:
             raise PipelineError(f"prune.key_pool_layers={list(cfg.key_pool_layers)}: {exc}; "
                                 f"'prune.key_pool_layers=[]' prunes without pooling (stage=all pools layer 0)") from None
