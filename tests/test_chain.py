@@ -157,14 +157,14 @@ def test_baselines_are_the_original_and_the_chain_model_in_float_and_the_origina
 
 def test_a_shorter_parity_reading_is_the_first_whole_batches_of_a_longer_one():
     from pipeline.adapters.base import DecodeResult
-    from pipeline.stages.export import _reference
+    from pipeline.export.parity import reused_reference
 
     ref = DecodeResult([[1], [2], [3], [4]], ["a", "b", "c", "d"], 1.0, 2.0, [1, 1, 1, 1], [False] * 4)
     refs = {("m", ("f1", "f2", "f3", "f4"), 8, 2): ref}
-    short = _reference(refs, ("m", ("f1", "f2"), 8, 2))
+    short = reused_reference(refs, ("m", ("f1", "f2"), 8, 2))
     assert short.token_ids == [[1], [2]] and short.texts == ["a", "b"] and short.steps == [1, 1]
-    assert _reference(refs, ("m", ("f1", "f2", "f3", "f4"), 8, 2)) is ref
-    assert _reference(refs, ("m", ("f1",), 8, 2)) is None            # not whole batches: batch 1 differs
-    assert _reference(refs, ("m", ("f2", "f3"), 8, 2)) is None       # not the first formulas
-    assert _reference(refs, ("other", ("f1", "f2"), 8, 2)) is None   # another model
-    assert _reference(refs, ("m", ("f1", "f2"), 16, 2)) is None      # another cap
+    assert reused_reference(refs, ("m", ("f1", "f2", "f3", "f4"), 8, 2)) is ref
+    assert reused_reference(refs, ("m", ("f1",), 8, 2)) is None            # not whole batches: batch 1 differs
+    assert reused_reference(refs, ("m", ("f2", "f3"), 8, 2)) is None       # not the first formulas
+    assert reused_reference(refs, ("other", ("f1", "f2"), 8, 2)) is None   # another model
+    assert reused_reference(refs, ("m", ("f1", "f2"), 16, 2)) is None      # another cap

@@ -255,14 +255,13 @@ def test_metax_package_from_symmetric_qdq_passes_validator_and_parity(float_enco
 
 
 def test_tensorrt_commands_are_written_beside_the_onnx(ort_pkg, tmp_path):
-    from types import SimpleNamespace
-
-    from pipeline.export.tensorrt import tensorrt_available
-    from pipeline.stages.export import ExportConfig, _tensorrt
+    from pipeline.export.tensorrt import engines, tensorrt_available
+    from pipeline.stages.export import ExportConfig
 
     meta = json.loads((ort_pkg / "package.json").read_text())
     models = {g: onnx.load(str(ort_pkg / f"{g}.onnx"), load_external_data=False) for g in meta["graphs"]}
-    info = _tensorrt(ExportConfig(trt_max_batch=4), tmp_path, meta, SimpleNamespace(models=models))
+    cfg = ExportConfig(trt_max_batch=4)
+    info = engines(tmp_path, meta, models, cfg.trt_max_batch, cfg.trt_opt_length, cfg.trt_build)
     script = (tmp_path / "build_engines.sh").read_text().splitlines()
     cmds = [ln for ln in script if ln.startswith("trtexec ")]
     assert [c.split()[1] for c in cmds] == ["--onnx=encoder.onnx", "--onnx=decoder_first.onnx", "--onnx=decoder_step.onnx",

@@ -7,7 +7,7 @@ exact match against the truth.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -150,3 +150,20 @@ def check_tolerances(tensors: dict[str, dict], tokens: TokenParity | None, min_c
                        f"({tokens.exact_match_onnx:.3f} against {tokens.exact_match_torch:.3f}) > "
                        f"{FINETUNED_MAX_EXACT_LOSS}")
     return bad
+
+
+def reused_reference(references: dict, key: tuple):
+    """Torch's parity reading for ``key`` (model, formula ids, cap, batch) when this run made it, or
+    the first rows of a longer one of the same model that starts with the same formulas in whole
+    batches (each batch is decoded on its own, so its rows are the same); else None."""
+    if key in references:
+        return references[key]
+    model, ids, cap, batch = key
+    if len(ids) % batch:
+        return None
+    for (m, longer, c, b), ref in references.items():
+        if (m, c, b) == (model, cap, batch) and longer[:len(ids)] == ids:
+            n = len(ids)
+            return replace(ref, token_ids=ref.token_ids[:n], texts=ref.texts[:n], steps=ref.steps[:n],
+                           hit_cap=ref.hit_cap[:n])
+    return None

@@ -2,12 +2,16 @@
 builder on the TensorRT Python API (runs wherever ``tensorrt`` imports)."""
 from __future__ import annotations
 
+import json
+import logging
 import shlex
 import time
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
 
 Shape = tuple[int, ...]
 
@@ -120,3 +124,26 @@ def build_engine(onnx_path: Path, engine_path: Path, profile: dict[str, tuple[Sh
     engine_path.write_bytes(bytes(serialized))
     timing_cache.write_bytes(bytes(config.get_timing_cache().serialize()))
     return {"engine": engine_path.name, "build_seconds": round(seconds, 1), "int8": int8, "fp16": True}
+
+
+def engines(folder: Path, meta: dict, models: dict[str, Any], max_batch: int, opt_length: int, build: bool) -> dict:
+    """A package's TensorRT side: ``build_engines.sh`` (one ``trtexec`` command a graph, INT8 where the
+    graph holds Q/DQ) and ``tensorrt_profiles.json`` always; the engines themselves where ``tensorrt``
+    imports and ``build`` is on. Returns what was done (``parity.json: tensorrt``)."""
+    from pipeline.export.transforms import has_qdq
+
+    shapes = profiles(meta, max_batch, opt_length)
+    lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
+    for g, m in models.items():
+        lines.append(trtexec_command(f"{g}.onnx", f"{g}.plan", shapes[g], int8=has_qdq(m)))
+    (folder / "build_engines.sh").write_text("\n".join(lines) + "\n")
+    (folder / "tensorrt_profiles.json").write_text(json.dumps(shapes, indent=2) + "\n")
+    if not tensorrt_available():
+        log.warning("[export] tensorrt is not installed here: engines not built; run build_engines.sh "
+                    "(trtexec) on a machine with TensorRT")
+        return {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
+    if not build:
+        return {"built": False, "reason": "export.trt_build=false", "commands": "build_engines.sh"}
+    results = {g: build_engine(folder / f"{g}.onnx", folder / f"{g}.plan", shapes[g], has_qdq(m),
+                               folder / "timing.cache", folder / f"{g}.build.log") for g, m in models.items()}
+    return {"built": True, "engines": results, "commands": "build_engines.sh"}

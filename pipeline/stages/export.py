@@ -30,7 +30,7 @@ from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
 from pipeline.export.build import build_graphs
 from pipeline.export.package import write_package
-from pipeline.export.parity import check_tolerances, tensor_parity, token_parity
+from pipeline.export.parity import check_tolerances, reused_reference, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import KNOWN, resolve_target, target_config, target_configs
@@ -223,23 +223,6 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
     return made
 
 
-def _reference(references: dict, key: tuple):
-    """Torch's parity reading for ``key`` (model, formula ids, cap, batch) when this run made it, or
-    the first rows of a longer one of the same model that starts with the same formulas in whole
-    batches (each batch is decoded on its own, so its rows are the same); else None."""
-    if key in references:
-        return references[key]
-    model, ids, cap, batch = key
-    if len(ids) % batch:
-        return None
-    for (m, longer, c, b), ref in references.items():
-        if (m, c, b) == (model, cap, batch) and longer[:len(ids)] == ids:
-            n = len(ids)
-            return replace(ref, token_ids=ref.token_ids[:n], texts=ref.texts[:n], steps=ref.steps[:n],
-                           hit_cap=ref.hit_cap[:n])
-    return None
-
-
 def validate(cfg: ExportConfig) -> None:
     """The stage's keys, before any stage runs (also under stage=all)."""
     unknown = [t for t in cfg.targets if t not in KNOWN]
@@ -334,7 +317,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         references = {} if references is None else references
         tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
                               [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress, reference=_reference(references, key))
+                              progress=ctx.progress, reference=reused_reference(references, key))
         references[key] = tokens.reference
         finetuned = _finetuned(qdq_path)
         failures = check_tolerances(tensors, tokens, **tol, finetuned=finetuned)
@@ -354,7 +337,8 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         engines = None
         if target.name == "tensorrt":
             engines = ({"built": False, "reason": "parity failed"} if failures
-                       else _tensorrt(cfg, out.path, meta, built))
+                       else trt_build.engines(out.path, meta, built.models, cfg.trt_max_batch, cfg.trt_opt_length,
+                                              cfg.trt_build))
         eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
         metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
                    "tolerance_level": level, "tensors": tensors, "qat_finetuned": finetuned,
@@ -393,28 +377,6 @@ def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, fail
             if (folder / f).is_file():
                 shutil.copy2(folder / f, tmp / f)
     return PipelineError(f"parity beyond tolerance for {target}: {'; '.join(failures)} (report kept in {kept})")
-
-
-def _tensorrt(cfg: ExportConfig, folder: Path, meta: dict, built) -> dict:
-    from pipeline.export.transforms import has_qdq
-
-    shapes = trt_build.profiles(meta, cfg.trt_max_batch, cfg.trt_opt_length)
-    lines = ["#!/bin/sh", "# TensorRT engines for this package: run in this folder on the target machine.", "set -e"]
-    for g, m in built.models.items():
-        lines.append(trt_build.trtexec_command(f"{g}.onnx", f"{g}.plan", shapes[g], int8=has_qdq(m)))
-    (folder / "build_engines.sh").write_text("\n".join(lines) + "\n")
-    (folder / "tensorrt_profiles.json").write_text(json.dumps(shapes, indent=2) + "\n")
-    if not trt_build.tensorrt_available():
-        log.warning("[export] tensorrt is not installed here: engines not built; run build_engines.sh "
-                    "(trtexec) on a machine with TensorRT")
-        return {"built": False, "reason": "tensorrt not installed", "commands": "build_engines.sh"}
-    if not cfg.trt_build:
-        return {"built": False, "reason": "export.trt_build=false", "commands": "build_engines.sh"}
-    results = {}
-    for g, m in built.models.items():
-        results[g] = trt_build.build_engine(folder / f"{g}.onnx", folder / f"{g}.plan", shapes[g], has_qdq(m),
-                                            folder / "timing.cache", folder / f"{g}.build.log")
-    return {"built": True, "engines": results, "commands": "build_engines.sh"}
 
 
 def _print_summary(m: dict, name: str, model_ref: str) -> None:
