@@ -133,7 +133,7 @@ class OnnxPackage:
             so.inter_op_num_threads = 1
         # a package runs its sessions in turn (encoder, then one decoder call after another), each with a
         # thread pool of its own; a pool that spins after its call takes the cores the next session needs
-        # (2 cores, ORT's default threads, batch 1: 144 ms a formula end to end spinning, 65 not)
+        # (2 cores, ORT's default threads, batch 1: 115 ms a formula end to end spinning, 55 not; docs/export.md)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.log_severity_level = 3
         self._session_args = (so, providers)
