@@ -10,6 +10,10 @@ no more than 5. With ``cap`` set, greedy decoding never lets a reading's trailin
 atoms grow past ``cap``: where the best token would, the next best that does not is taken (EOS
 included), so the model goes on with what it reads or stops.
 
+Below the guard, the loops that use it: :func:`greedy` (any backend's step), :func:`cached_greedy`
+(an exported package's KV-cache calls), :func:`speculative_greedy` (batch 1, drafts checked by a verify
+graph), and :class:`StudentReader`, a BPE student's greedy reading (the student drafter's guide).
+
 No torch and no other module of this project here: the package runtime loads it, and so does
 ``tests/macart_decode.py`` (the ONNX Runtime 1.12 venv), by file path.
 """
@@ -131,6 +135,76 @@ def greedy(first: Callable[[], np.ndarray], step: Callable[[np.ndarray], np.ndar
     for idx in active.tolist():  # stopped by the cap
         out[idx] = seqs[idx]
     return [o if o is not None else [] for o in out]
+
+
+def cached_greedy(first: Callable, step: Callable, n: int, bos: int, eos: int, banned: Sequence[int],
+                  max_length: int, guard: LayoutGuard | None = None) -> list[list[int]]:
+    """:func:`greedy` on a decoder with a KV cache, the calls of an exported package: ``first(ids [n, 1])
+    -> (logits [n, V], past, cross)`` after BOS, ``step(ids [rows, 1], past, cross) -> (logits [rows, V],
+    present)``; rows that finish leave the past and the cross K/V with the batch."""
+    if max_length < 2:
+        return [[] for _ in range(n)]
+    logits, past, cross = first(np.full((n, 1), bos, dtype=np.int64))
+    state = {"past": past, "cross": cross}
+
+    def next_logits(tokens: np.ndarray) -> np.ndarray:
+        out, state["past"] = step(tokens[:, None], state["past"], state["cross"])
+        return out
+
+    def keep(rows: np.ndarray) -> None:
+        state["past"] = [p[rows] for p in state["past"]]
+        state["cross"] = [c[rows] for c in state["cross"]]
+
+    return greedy(lambda: logits, next_logits, keep, n, eos, banned, max_length, guard)
+
+
+class StudentReader:
+    """A BPE student's greedy reading of one encoder output (batch 1) on its ``decoder_first`` and
+    ``decoder_step`` graphs (ONNX Runtime sessions), spelled in the package's vocabulary: ``pieces[i]``
+    are the token ids BPE id ``i`` writes. Stops at the student's EOS or once ``max_tokens`` are spelled.
+    No layout cap, no exactness asked: the guide only decides what a drafter proposes
+    (``pipeline/drafting.py: StudentDrafter``)."""
+
+    def __init__(self, first, step, step_inputs: Sequence[str], num_layers: int, bos: int, eos: int,
+                 banned: Sequence[int], pieces: Sequence[Sequence[int]], max_tokens: int):
+        self.first, self.step, self.step_inputs = first, step, list(step_inputs)
+        self.n = 2 * int(num_layers)
+        self.bos, self.eos, self.banned = int(bos), int(eos), list(banned)
+        self.pieces = [list(p) for p in pieces]
+        self.max_tokens = int(max_tokens)
+
+    @classmethod
+    def from_entry(cls, student: dict, open_graph: Callable[[str], object]) -> "StudentReader":
+        """From a ``drafter.json``'s ``student`` entry; ``open_graph(file name)``: a session of that graph."""
+        return cls(open_graph(student["first"]), open_graph(student["step"]), student["step_inputs"],
+                   student["num_layers"], student["bos"], student["eos"], student["banned"], student["pieces"],
+                   student["max_tokens"])
+
+    def __call__(self, memory: np.ndarray) -> tuple[list[int], int]:
+        """(the guide's token ids, the student's decoder calls)."""
+        calls, spelled, stop = [1], [0], [None]
+
+        def first(ids: np.ndarray):
+            outs = self.first.run(None, {"input_ids": ids, "memory": memory})
+            stop[0] = np.full_like(outs[0], -np.inf)
+            stop[0][:, self.eos] = 0.0  # past max_tokens spelled: the logits of an EOS
+            return outs[0], outs[1:1 + self.n], outs[1 + self.n:]
+
+        def step(ids: np.ndarray, past: list, cross: list):
+            tok = int(ids[0, 0])
+            if not 0 <= tok < len(self.pieces):  # a token the spelling does not know: the guide ends before it
+                return stop[0], past
+            spelled[0] += len(self.pieces[tok])
+            if spelled[0] >= self.max_tokens:  # the guide is long enough: no call for more
+                return stop[0], past
+            calls[0] += 1
+            outs = self.step.run(None, dict(zip(self.step_inputs, [ids, *past, *cross])))
+            return outs[0], outs[1:]
+
+        # a piece spells a token or more: max_tokens pieces spell max_tokens tokens at least
+        ids = cached_greedy(first, step, 1, self.bos, self.eos, self.banned, self.max_tokens + 1)[0]
+        guide = [t for tok in ids if 0 <= tok < len(self.pieces) and tok != self.eos for t in self.pieces[tok]]
+        return guide[:self.max_tokens], calls[0]
 
 
 # ---- speculative greedy decoding -------------------------------------------------------------------

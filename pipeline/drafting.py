@@ -193,52 +193,10 @@ class BpeDrafter:
         return cls(dict(data["completions"]), token_texts)
 
 
-class StudentReader:
-    """The student's greedy reading of one encoder output (batch 1) on its ``decoder_first`` and
-    ``decoder_step`` graphs (ONNX Runtime sessions), spelled in the package's vocabulary: ``pieces[i]``
-    are the token ids BPE id ``i`` writes. Stops at the student's EOS or once ``max_tokens`` are spelled.
-    No layout cap, no exactness asked: the guide only decides what is proposed."""
-
-    def __init__(self, first, step, step_inputs: Sequence[str], num_layers: int, bos: int, eos: int,
-                 banned: Sequence[int], pieces: Sequence[Sequence[int]], max_tokens: int):
-        self.first, self.step, self.step_inputs = first, step, list(step_inputs)
-        self.n = 2 * int(num_layers)
-        self.bos, self.eos, self.banned = int(bos), int(eos), list(banned)
-        self.pieces = [list(p) for p in pieces]
-        self.max_tokens = int(max_tokens)
-
-    @classmethod
-    def from_entry(cls, student: dict, open_graph: Callable[[str], object]) -> "StudentReader":
-        """From a ``drafter.json``'s ``student`` entry; ``open_graph(file name)``: a session of that graph."""
-        return cls(open_graph(student["first"]), open_graph(student["step"]), student["step_inputs"],
-                   student["num_layers"], student["bos"], student["eos"], student["banned"], student["pieces"],
-                   student["max_tokens"])
-
-    def __call__(self, memory: np.ndarray) -> tuple[list[int], int]:
-        """(the guide's token ids, the student's decoder calls)."""
-        outs = self.first.run(None, {"input_ids": np.full((1, 1), self.bos, dtype=np.int64), "memory": memory})
-        logits, past, cross = outs[0], outs[1:1 + self.n], outs[1 + self.n:]
-        guide: list[int] = []
-        calls = 1
-        while True:
-            row = np.array(logits[0], dtype=np.float32)
-            row[self.banned] = -np.inf
-            tok = int(row.argmax())
-            if tok == self.eos or not 0 <= tok < len(self.pieces):
-                break
-            guide += self.pieces[tok]
-            if len(guide) >= self.max_tokens:
-                break
-            outs = self.step.run(None, dict(zip(self.step_inputs, [np.full((1, 1), tok, dtype=np.int64), *past,
-                                                                    *cross])))
-            logits, past = outs[0], outs[1:]
-            calls += 1
-        return guide[:self.max_tokens], calls
-
-
 class StudentDrafter(NgramDrafter):
     """What follows the last tokens written in the student's reading of the image (the guide), else the
-    ngram table. ``reader(memory) -> (guide ids, calls)`` (:class:`StudentReader` in a package)."""
+    ngram table. ``reader(memory) -> (guide ids, calls)`` (``pipeline/decoding.py: StudentReader`` in a
+    package)."""
 
     kind = "student"
 
@@ -301,12 +259,12 @@ class StudentDrafter(NgramDrafter):
         return {**super().to_json(), "min_match": self.min_match, "student": self.student}
 
     @classmethod
-    def from_json(cls, data: dict, open_graph: Callable[[str], object] | None = None, **_) -> "StudentDrafter":
-        """``open_graph(file name)``: an ONNX Runtime session of a graph in the package (none: no reader,
-        the table alone)."""
+    def from_json(cls, data: dict, open_reader: Callable[[dict], Callable] | None = None, **_) -> "StudentDrafter":
+        """``open_reader(student entry)``: the student's reader, on its graphs in the package (none: no
+        reader, the table alone)."""
         ngram = NgramDrafter.from_json(data)
         student = dict(data["student"])
-        reader = None if open_graph is None else StudentReader.from_entry(student, open_graph)
+        reader = None if open_reader is None else open_reader(student)
         return cls(ngram.order, ngram.table, ngram.self_lookup, ngram.shares, ngram.min_confidence, reader,
                    int(data.get("min_match", 2)), student, ngram.tail)
 
@@ -323,10 +281,11 @@ def save(drafter, path: Path, draft_len: int, source: dict) -> None:
     tmp.replace(path)
 
 
-def load(path: Path, token_texts: Sequence[str] = (), open_graph: Callable[[str], object] | None = None
+def load(path: Path, token_texts: Sequence[str] = (), open_reader: Callable[[dict], Callable] | None = None
          ) -> tuple[object, int]:
     """The drafter of a ``drafter.json`` and its draft length; a wrong file is a ``ValueError``.
-    ``open_graph``: a session for a graph file the drafter names (the student's)."""
+    ``open_reader``: the reader of the student a drafter names (its ``student`` entry ->
+    ``reader(memory) -> (guide ids, calls)``: ``pipeline/decoding.py: StudentReader``)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -340,7 +299,7 @@ def load(path: Path, token_texts: Sequence[str] = (), open_graph: Callable[[str]
     if not isinstance(draft_len, int) or draft_len < 1:
         raise ValueError(f"drafter {path}: draft_len must be an integer >= 1, got {draft_len!r}")
     try:
-        drafter = DRAFTERS[kind].from_json(data, token_texts=token_texts, open_graph=open_graph)
+        drafter = DRAFTERS[kind].from_json(data, token_texts=token_texts, open_reader=open_reader)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"drafter {path}: a {kind} drafter without {exc}") from None
     return drafter, draft_len

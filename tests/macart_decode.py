@@ -1,11 +1,11 @@
 """Greedy decoding of an exported package with numpy and onnxruntime alone (no torch, no ``pipeline``).
 
 It runs in the ONNX Runtime 1.12.1 venv of ``tests/macart_env.py`` (MacaRT forks ORT 1.12), so it
-must stay importable on Python 3.10 with numpy 1.26. It decodes exactly as
-``pipeline.export.runtime.OnnxPackage._greedy`` does: ``decoder_first(BOS, memory)``, then one
-``decoder_step`` per token with the present K/V fed back as past, pad and BOS banned, the package's
-cap on layout-only runs (``pipeline/decoding.py``, loaded by file path: it imports nothing of the
-project), finished rows leave the batch, the cap counts BOS.
+must stay importable on Python 3.10 with numpy 1.26. It decodes with the loops of
+``pipeline/decoding.py`` (loaded by file path: it imports nothing of the project), as
+``pipeline.export.runtime.OnnxPackage`` does: ``decoder_first(BOS, memory)``, then one ``decoder_step``
+per token with the present K/V fed back as past (``cached_greedy``), pad and BOS banned, the package's
+cap on layout-only runs, finished rows leave the batch, the cap counts BOS.
 
     python macart_decode.py PACKAGE IMAGES.npy OUT.json [--max-length N] [--batch-size B] [--threads T]
                                                         [--speculative]
@@ -33,18 +33,20 @@ DRAFTING = Path(__file__).resolve().parent.parent / "pipeline" / "drafting.py"
 
 
 def by_path(path: Path, name: str):
-    """A module of the project that imports nothing of it, loaded from its file."""
+    """A module of the project that imports nothing of it, loaded from its file (once)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
-def layout_guard_class():
-    """``LayoutGuard`` from ``pipeline/decoding.py`` without importing the project."""
-    return by_path(DECODING, "formula_compress_decoding").LayoutGuard
+def decoding():
+    """``pipeline/decoding.py`` without importing the project."""
+    return by_path(DECODING, "formula_compress_decoding")
 
 
 def token_texts(tokenizer_json: dict, vocab_size: int) -> list:
@@ -90,7 +92,7 @@ class Package:
     def layout_guard(self, vocab_size: int):
         if self.guard is None or len(self.guard.texts) != vocab_size:
             texts = token_texts(self.tokenizer_json, vocab_size)
-            self.guard = layout_guard_class().for_vocabulary(texts.__getitem__, vocab_size, self.eos,
+            self.guard = decoding().LayoutGuard.for_vocabulary(texts.__getitem__, vocab_size, self.eos,
                                                              self.layout_run_cap)
         return self.guard
 
@@ -111,7 +113,6 @@ class Package:
 
     def speculative(self, memory: np.ndarray, max_length: int, stats=None) -> list:
         """One image's reading with ``decoder_verify`` and the package's drafter (``OnnxPackage._speculative``)."""
-        decoding = by_path(DECODING, "formula_compress_decoding")
         drafting = by_path(DRAFTING, "formula_compress_drafting")
         folder = self.folder
         if "verify" not in self.sessions:
@@ -120,7 +121,8 @@ class Package:
         vocab = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
         drafter, draft_len = drafting.load(  # a student drafter's graphs: sessions like the package's
             folder / self.meta["drafter"], token_texts(self.tokenizer_json, vocab),
-            open_graph=lambda name: ort.InferenceSession(str(folder / name), self.options, providers=[PROVIDER]))
+            open_reader=lambda entry: decoding().StudentReader.from_entry(
+                entry, lambda name: ort.InferenceSession(str(folder / name), self.options, providers=[PROVIDER])))
         if hasattr(drafter, "begin"):  # the student reads the image first
             calls = drafter.begin(memory)
             if stats is not None:
@@ -135,49 +137,20 @@ class Package:
         width = self.sessions["verify"].get_inputs()[0].shape[-1]
         fixed = isinstance(width, int)  # dynamic: up to package.json's verify_width tokens a call
         positions = int(self.meta.get("max_positions", self.meta["max_length"]))
-        verify = decoding.VerifyCalls(run, self.step, width if fixed else int(self.meta["verify_width"]), positions,
+        verify = decoding().VerifyCalls(run, self.step, width if fixed else int(self.meta["verify_width"]), positions,
                                       fixed)
 
         guard = self.layout_guard(vocab) if self.layout_run_cap else None
-        return decoding.speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,
+        return decoding().speculative_greedy(lambda ids: self.first(ids, memory), verify, drafter.propose, self.bos,
                                            self.eos, self.banned, max_length, draft_len, guard, stats,
                                            verify.free_drafts)
 
     def greedy(self, memory: np.ndarray, max_length: int) -> list:
-        """``OnnxPackage._greedy``, line for line."""
-        n = memory.shape[0]
-        out = [None] * n
-        seqs = [[] for _ in range(n)]
-        active = np.arange(n)
-        if max_length < 2:
-            return [[] for _ in range(n)]
-        texts = [""] * n
-        logits, past, cross = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
-        for t in range(max_length - 1):
-            logits = logits.astype(np.float32, copy=True)
-            logits[:, self.banned] = -np.inf
-            nxt = logits.argmax(-1)
-            if self.layout_run_cap:
-                nxt = np.asarray(self.layout_guard(logits.shape[-1]).step(logits, nxt.tolist(), texts), dtype=np.int64)
-            for row, tok in enumerate(nxt.tolist()):
-                seqs[active[row]].append(int(tok))
-            done = nxt == self.eos
-            if done.any():
-                for row in np.flatnonzero(done):
-                    out[active[row]] = seqs[active[row]]
-                keep = ~done
-                active, nxt = active[keep], nxt[keep]
-                texts = [x for x, k in zip(texts, keep.tolist()) if k]
-                if active.size == 0:
-                    break
-                past = [p[keep] for p in past]
-                cross = [c[keep] for c in cross]
-            if t == max_length - 2:
-                break
-            logits, past = self.step(nxt[:, None], past, cross)
-        for idx in active.tolist():  # stopped by the cap
-            out[idx] = seqs[idx]
-        return [o if o is not None else [] for o in out]
+        """``OnnxPackage._greedy``: the same loop (``cached_greedy``) on this venv's sessions."""
+        vocab = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
+        guard = self.layout_guard(vocab) if self.layout_run_cap else None
+        return decoding().cached_greedy(lambda ids: self.first(ids, memory), self.step, memory.shape[0], self.bos,
+                                        self.eos, self.banned, max_length, guard)
 
 
 def main(argv=None) -> int:
@@ -202,7 +175,7 @@ def main(argv=None) -> int:
         if not pkg.meta.get("drafter"):
             print(f"error: --speculative: package {args.package} has no drafter", file=sys.stderr)
             return 2
-        stats = by_path(DECODING, "formula_compress_decoding").SpeculativeStats()
+        stats = decoding().SpeculativeStats()
         for image in images:
             sequences.append(pkg.speculative(pkg.encode(image[None]), max_length, stats))
     else:

@@ -137,6 +137,9 @@ def test_rows_that_finish_early_leave_the_guard_with_their_text(looping, monkeyp
             self.tokenizer, self.bos, self.eos, self.banned = tokenizer, model.bos_id, eos, [model.pad_id, model.bos_id]
             self.layout_run_cap, self._guard = 2, None
 
+        def _vocab(self):
+            return vocab
+
         def first(self, input_ids, memory):
             return _row_rule(memory[:, 0, 0].astype(int), eos, amp, x, vocab), [], [memory]
 

@@ -277,6 +277,42 @@ def test_student_drafter_follows_its_guide_and_falls_back_to_the_table(tmp_path)
         drafting.StudentDrafter.from_ngram(table, {}, min_match=5)
 
 
+class _ScriptedSession:
+    """An ONNX Runtime session's ``run`` for a student decoder that writes ``script`` (one BPE id a call),
+    its cache one [1, 1, P, 1] tensor a layer and kind (num_layers 1)."""
+
+    def __init__(self, script: list[int], vocab: int, first: bool):
+        self.script, self.vocab, self.first, self.feeds = script, vocab, first, []
+
+    def run(self, _, feed):
+        self.feeds.append(feed)
+        past = feed.get("past_key_0", np.zeros((1, 1, 0, 1), dtype=np.float32))
+        at = past.shape[2] + 1 if not self.first else 1  # tokens read so far: BOS + the steps
+        logits = np.zeros((1, self.vocab), dtype=np.float32)
+        logits[0, self.script[min(at - 1, len(self.script) - 1)]] = 1.0
+        grown = np.zeros((1, 1, at, 1), dtype=np.float32)
+        return [logits, grown, grown] if not self.first else [logits, grown, grown, np.ones((1, 1, 4, 1)),
+                                                               np.ones((1, 1, 4, 1))]
+
+
+@pytest.mark.parametrize("script,pieces,max_tokens,guide,calls", [
+    ([3, 4, EOS], [[], [], [], [5, 6], [7]], 10, [5, 6, 7], 3),             # EOS ends it
+    ([3, 3, 3, 3], [[], [], [], [5, 6, 7]], 5, [5, 6, 7, 5, 6], 2),         # 6 spelled >= 5: no third call
+    ([3, 9, 3], [[], [], [], [5]], 10, [5], 2),                             # an id the spelling lacks: the end
+    ([EOS], [[], [], [], [5]], 10, [], 1),                                  # nothing read
+])
+def test_a_student_reader_spells_its_greedy_reading_and_stops_at_the_guides_length(script, pieces, max_tokens,
+                                                                                  guide, calls):
+    from pipeline.decoding import StudentReader
+
+    first, step = _ScriptedSession(script, 10, True), _ScriptedSession(script, 10, False)
+    reader = StudentReader(first, step, ["input_ids", "past_key_0", "past_value_0", "cross_key_0", "cross_value_0"],
+                           1, BOS, EOS, [PAD, BOS], pieces, max_tokens)
+    assert reader(np.zeros((1, 4, 2), dtype=np.float32)) == (guide, calls)
+    assert len(step.feeds) == calls - 1 and [int(f["input_ids"][0, 0]) for f in step.feeds] == script[:calls - 1]
+    assert int(first.feeds[0]["input_ids"][0, 0]) == BOS
+
+
 @pytest.mark.parametrize("payload,needle", [
     ("not json", "unreadable"),
     (json.dumps({"format": "other"}), "not a"),

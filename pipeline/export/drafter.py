@@ -16,6 +16,7 @@ import onnx
 
 from pipeline import drafting
 from pipeline.context import file_hash
+from pipeline.decoding import StudentReader
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
@@ -98,7 +99,7 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
              "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
              "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
              "pieces": spell(bpe_texts, token_texts(package))}
-    reader = drafting.StudentReader.from_entry(entry, package.drafter_graph)  # a graph it cannot load: its own line
+    reader = StudentReader.from_entry(entry, package.drafter_graph)  # a graph it cannot load: its own line
     try:
         reader(package.encode(probe[None]))
     except Exception as exc:  # onnxruntime's own exception types: a memory of another shape

@@ -14,7 +14,8 @@ from PIL import Image
 
 from pipeline import drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import LayoutGuard, SpeculativeStats, VerifyCalls, greedy, speculative_greedy
+from pipeline.decoding import (LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
+                               speculative_greedy)
 from pipeline.errors import PipelineError
 from pipeline.preprocessing import preprocess
 from pipeline.schema import load_json
@@ -167,7 +168,8 @@ class OnnxPackage:
             raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
         texts = [self.tokenizer.decode([i]) for i in range(self._vocab())]
         try:
-            drafter, draft_len = drafting.load(path, texts, open_graph=self.drafter_graph)
+            drafter, draft_len = drafting.load(
+                path, texts, open_reader=lambda entry: StudentReader.from_entry(entry, self.drafter_graph))
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
         width = self.verify_width
@@ -357,24 +359,11 @@ class OnnxPackage:
                                   guard, stats, self.free_drafts if drafted else 0)
 
     def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
-        """Plain greedy decoding of a batch (:func:`pipeline.decoding.greedy`) on this package's
+        """Plain greedy decoding of a batch (:func:`pipeline.decoding.cached_greedy`) on this package's
         sessions: ``decoder_first`` after BOS, then ``decoder_step`` with the KV cache."""
-        n = memory.shape[0]
-        if max_length < 2:
-            return [[] for _ in range(n)]
-        state: dict = {}
-        logits, state["past"], state["cross"] = self.first(np.full((n, 1), self.bos, dtype=np.int64), memory)
-
-        def step(tokens: np.ndarray) -> np.ndarray:
-            logits, state["past"] = self.step(tokens[:, None], state["past"], state["cross"])
-            return logits
-
-        def keep(rows: np.ndarray) -> None:
-            state["past"] = [p[rows] for p in state["past"]]
-            state["cross"] = [c[rows] for c in state["cross"]]
-
-        guard = self.layout_guard(logits.shape[-1]) if self.layout_run_cap else None
-        return greedy(lambda: logits, step, keep, n, self.eos, self.banned, max_length, guard)
+        guard = self.layout_guard(self._vocab()) if self.layout_run_cap else None
+        return cached_greedy(lambda ids: self.first(ids, memory), self.step, memory.shape[0], self.bos, self.eos,
+                             self.banned, max_length, guard)
 
     def read_images(self, images: Sequence[Image.Image], max_length: int | None = None, batch_size: int = 16
                     ) -> DecodeResult:
