@@ -212,9 +212,43 @@ def test_ratio_and_flops_targets():
         select.heads_for_flops(0.8, 100.0, 2.0, [8, 8, 8, 8], 1)
 
 
+def test_how_many_heads_go_flops_first_then_a_count_then_the_ratio():
+    counts = [8, 8, 8, 8]
+    assert select.heads_to_remove(counts, 1, 0.25) == 8
+    assert select.heads_to_remove(counts, 1, 0.25, num_heads=3) == 3
+    assert select.heads_to_remove(counts, 1, 0.25, num_heads=3, flops_reduction=0.3, flops_full=100.0,
+                                  flops_per_head=2.0) == 15
+    assert select.heads_to_remove(counts, 7, 0.0, num_heads=4) == 4
+    with pytest.raises(ValueError, match="removing 5 of 32 heads would leave a layer with fewer than 7 head"):
+        select.heads_to_remove(counts, 7, 0.0, num_heads=5)
+    with pytest.raises(ValueError, match="at most 4 can go"):
+        select.heads_to_remove(counts, 7, 0.5)
+
+
 def test_spearman():
     assert scores.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert scores.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert scores.against_ablation({"l2_qkv": [[1, 2]], "random": [[1, 2]]}) == {}
+    got = scores.against_ablation({"l2_qkv": [[1, 2], [3, 4]], "random": [[4, 3], [2, 1]], "ablation": [[1, 2], [3, 5]]})
+    assert got == pytest.approx({"l2_qkv": 1.0, "random": -1.0})
+
+
+def test_the_verdict_takes_the_recovered_row_and_holds_only_within_every_tolerance():
+    from pipeline.pruning import measure
+
+    def row(em, cer, gflops, shift_em=None):
+        return {"exact_match": em, "cer": cer, "encoder_gflops": gflops,
+                "splits": {"eval": {"n": 10, "exact_match": em, "cer": cer},
+                           "shift": {"n": 5, "exact_match": em if shift_em is None else shift_em, "cer": cer}}}
+
+    variants = {"original": row(0.5, 0.2, 4.0), "pruned, before recovery": row(0.1, 0.9, 3.0),
+                "pruned, after recovery": row(0.495, 0.205, 3.0, shift_em=0.4)}
+    v = measure.verdict(variants, 0.01, 0.05)
+    assert v["exact_match"] == 0.495 and v["flops_reduction"] == pytest.approx(0.25)
+    assert v["splits"]["eval"]["holds"] and not v["splits"]["shift"]["holds"] and not v["holds_on_every_split"]
+    del variants["pruned, after recovery"]  # no recovery: the pruned row before it
+    v = measure.verdict(variants, 0.01, 0.05)
+    assert v["exact_match"] == 0.1 and not v["splits"]["eval"]["holds"]
 
 
 def test_refit_reduces_attention_error(tiny):

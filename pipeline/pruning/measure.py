@@ -44,3 +44,19 @@ def holds(pruned: dict, original: dict, em_tolerance: float, cer_tolerance: floa
             "cer": pruned["cer"], "cer_original": original["cer"], "exact_match_drop": em_drop,
             "cer_relative_change": cer_rel,
             "holds": em_drop <= em_tolerance + 1e-12 and cer_rel <= cer_tolerance + 1e-12}
+
+
+def verdict(variants: dict[str, dict], em_tolerance: float, cer_tolerance: float) -> dict:
+    """The pruned model's figures against the original's (``variants``: the table's rows, the pruned
+    model's being ``pruned, after recovery`` or, without a recovery, ``pruned, before recovery``):
+    whether it holds on each split and on all, its exact match, CER and encoder GFLOPs beside the
+    original's, and the share of encoder FLOPs it saves."""
+    final = variants.get("pruned, after recovery") or variants["pruned, before recovery"]
+    original = variants["original"]
+    splits = {split: holds(final["splits"][split], original["splits"][split], em_tolerance, cer_tolerance)
+              for split in final["splits"]}
+    return {"splits": splits, "holds_on_every_split": all(v["holds"] for v in splits.values()),
+            "exact_match": final["exact_match"], "cer": final["cer"],
+            "exact_match_original": original["exact_match"],
+            "encoder_gflops": final["encoder_gflops"], "encoder_gflops_original": original["encoder_gflops"],
+            "flops_reduction": 1 - final["encoder_gflops"] / original["encoder_gflops"]}

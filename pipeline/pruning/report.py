@@ -2,6 +2,7 @@
 ablation, recovery, time) with the head-score heat map beside it, and its one-line summary."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,17 @@ def summary_line(m: dict) -> str:
     return (f"[prune] {m['criterion']}: {m['heads_removed']}/{m['heads_total']} heads removed, encoder "
             f"{m['encoder_gflops_original']:.2f} -> {m['encoder_gflops']:.2f} GFLOPs ({m['flops_reduction']:.1%} less), "
             f"{acc}")
+
+
+def write_head_scores(path: Path, cfg, head_counts, all_scores: dict, removed: dict, random_removed: dict,
+                      correlations: dict) -> None:
+    """``head_scores.json``: every criterion's scores, the heads removed (and the random baseline's), the
+    criteria's rank correlation with the ablation."""
+    path.write_text(json.dumps({
+        "criterion": cfg.criterion, "normalize": cfg.normalize, "head_counts": head_counts,
+        "scores": all_scores, "removed": {str(k): v for k, v in removed.items()},
+        "random_removed": {str(k): v for k, v in random_removed.items()},
+        "spearman_vs_ablation": correlations}, indent=2))
 
 
 def write_report(folder: Path, cfg, m: dict, all_scores: dict, removed: dict, head_counts) -> None:

@@ -205,6 +205,18 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def against_ablation(all_scores: dict) -> dict[str, float]:
+    """Each criterion's Spearman correlation with the single-head ablation over every head (empty when
+    the ablation was not scored)."""
+    if "ablation" not in all_scores:
+        return {}
+
+    def flat(scores) -> list[float]:
+        return [float(v) for row in scores for v in row]
+
+    return {c: spearman(flat(all_scores[c]), flat(all_scores["ablation"])) for c in all_scores if c != "ablation"}
+
+
 register(Criterion("l2_qkv", lambda inp: l2_scores(inp.attns)))
 register(Criterion("l2_qkvo", lambda inp: l2_scores(inp.attns, with_out=True)))
 register(Criterion("random", lambda inp: random_scores([num_heads(a) for a in inp.attns], inp.seed)))

@@ -76,3 +76,18 @@ def heads_for_flops(reduction: float, flops_full: float, flops_per_head: float, 
                          f"fewer than {min_per_layer} head(s); removing heads can cut at most {best:.1%} of "
                          f"encoder FLOPs here")
     return n
+
+
+def heads_to_remove(head_counts: Sequence[int], min_per_layer: int, ratio: float, num_heads: int | None = None,
+                    flops_reduction: float | None = None, flops_full: float = 0.0, flops_per_head: float = 0.0
+                    ) -> int:
+    """How many heads go: the fewest for ``flops_reduction`` if set, else ``num_heads``, else ``ratio`` of
+    them; more than leave ``min_per_layer`` in every layer is a ``ValueError`` with the numbers."""
+    if flops_reduction is not None:
+        return heads_for_flops(flops_reduction, flops_full, flops_per_head, head_counts, min_per_layer)
+    n = num_heads if num_heads is not None else heads_for_ratio(head_counts, ratio)
+    limit = removable(head_counts, min_per_layer)
+    if n > limit:
+        raise ValueError(f"removing {n} of {sum(head_counts)} heads would leave a layer with fewer than "
+                         f"{min_per_layer} head(s); at most {limit} can go")
+    return n

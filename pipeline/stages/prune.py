@@ -194,8 +194,6 @@ def _train_pool(ctx: StageContext, seed: int) -> list:
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     validate(cfg)
     phases = Phases()
-    mcfg = ctx.cfg.model
-    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     original = ctx.load_model(cfg.model)
     attns = _attention_layers(original)
     head_counts = original.encoder_head_counts()
@@ -203,39 +201,20 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
 
     flops_full = count.encoder_flops(original)
     per_head = count.flops_per_head(original)
-    if cfg.flops_reduction is not None:
-        try:
-            n_remove = select.heads_for_flops(cfg.flops_reduction, flops_full, per_head, head_counts,
-                                              cfg.min_heads_per_layer)
-        except ValueError as exc:  # unreachable with prune.min_heads_per_layer
-            raise PipelineError(f"prune.flops_reduction={cfg.flops_reduction} with prune.min_heads_per_layer="
-                                f"{cfg.min_heads_per_layer}: {exc}") from None
-    elif cfg.num_heads is not None:
-        n_remove = cfg.num_heads
-    else:
-        n_remove = select.heads_for_ratio(head_counts, cfg.ratio)
-    limit = select.removable(head_counts, cfg.min_heads_per_layer)
-    if n_remove > limit:
-        raise PipelineError(f"removing {n_remove} of {total_heads} heads would leave a layer with fewer than "
-                            f"prune.min_heads_per_layer={cfg.min_heads_per_layer} head(s); at most {limit} can go")
+    try:
+        n_remove = select.heads_to_remove(head_counts, cfg.min_heads_per_layer, cfg.ratio, cfg.num_heads,
+                                          cfg.flops_reduction, flops_full, per_head)
+    except ValueError as exc:
+        key = next(k for k in ("flops_reduction", "num_heads", "ratio") if getattr(cfg, k) is not None)
+        raise PipelineError(f"prune.{key}={getattr(cfg, key)} with prune.min_heads_per_layer="
+                            f"{cfg.min_heads_per_layer}: {exc}") from None
 
     pools = _key_pools(cfg, original, len(head_counts))
     changed = bool(n_remove or pools)
     name = ctx.artifact_name("prune", cfg.name)
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
-    config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
-              "max_length": max_length, **ctx.decoding_key(), "batch_size": batch_size}
-    if not cfg.refit_varied:  # the refit as it was before the option: earlier artifacts stay valid
-        config.pop("refit_varied")
-    if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with
-        config.pop("key_pool_layers")
-        config.pop("key_pool")
-    for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
-                        ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
-                        ("check_before_recovery", True)):
-        if config[key] == before:  # the finetune as it was before these options: same keys
-            config.pop(key)
+    config = _artifact_config(cfg, ctx, name, n_remove)
     all_scores = _head_scores(cfg, ctx, original, attns, inputs)
     phases.lap("head scores")
     if "shift" in cfg.eval_splits:  # after the head scores: their cache does not depend on it
@@ -308,13 +287,9 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             raise PipelineError("the saved pruned model does not reload with identical outputs")
         phases.lap("save and reload")
 
-        correlations = {c: head_scores.spearman(_flat(all_scores[c]), _flat(all_scores["ablation"]))
-                        for c in all_scores if c != "ablation"} if "ablation" in all_scores else {}
-        (out.path / "head_scores.json").write_text(json.dumps({
-            "criterion": cfg.criterion, "normalize": cfg.normalize, "head_counts": head_counts,
-            "scores": all_scores, "removed": {str(k): v for k, v in removed.items()},
-            "random_removed": {str(k): v for k, v in random_removed.items()},
-            "spearman_vs_ablation": correlations}, indent=2))
+        correlations = head_scores.against_ablation(all_scores)
+        prune_report.write_head_scores(out.path / "head_scores.json", cfg, head_counts, all_scores, removed,
+                                       random_removed, correlations)
         metrics = {
             "criterion": cfg.criterion, "heads_removed": n_remove, "heads_total": total_heads,
             "removed": {str(k): v for k, v in removed.items()},
@@ -322,21 +297,10 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "encoder_key_pools": pruned.encoder_key_pools(),
             "flops_per_head": per_head, "spearman_vs_ablation": correlations,
             "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
-            "eval_n": len(next(iter(eval_items.values()))), "max_length": max_length,
+            "eval_n": len(next(iter(eval_items.values()))), "max_length": int(ctx.cfg.model.max_length),
             "phase_seconds": phases.seconds,
         }
-        final = variants.get("pruned, after recovery") or variants["pruned, before recovery"]
-        metrics["splits"] = {split: measure.holds(final["splits"][split], variants["original"]["splits"][split],
-                                                  cfg.em_tolerance, cfg.cer_tolerance)
-                             for split in eval_items}
-        metrics["holds_on_every_split"] = all(v["holds"] for v in metrics["splits"].values())
-        metrics.update({
-            "exact_match": final["exact_match"], "cer": final["cer"],
-            "exact_match_original": variants["original"]["exact_match"],
-            "encoder_gflops": final["encoder_gflops"],
-            "encoder_gflops_original": variants["original"]["encoder_gflops"],
-            "flops_reduction": 1 - final["encoder_gflops"] / variants["original"]["encoder_gflops"],
-        })
+        metrics.update(measure.verdict(variants, cfg.em_tolerance, cfg.cer_tolerance))
         out.metrics.update(metrics)
         prune_report.write_report(out.path, cfg, metrics, all_scores, removed, head_counts)
     shutil.rmtree(resume, ignore_errors=True)
@@ -344,8 +308,23 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     return out.manifest
 
 
-def _flat(s) -> list[float]:
-    return [float(v) for row in s for v in row]
+def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: int) -> dict:
+    """What the artifact is keyed by: the stage's settings, the heads' count, seed, cap and decoding;
+    options left at the value they had before they existed are left out, so earlier artifacts stay valid."""
+    mcfg = ctx.cfg.model
+    config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
+              "max_length": int(mcfg.max_length), **ctx.decoding_key(), "batch_size": int(mcfg.batch_size)}
+    if not cfg.refit_varied:  # the refit as it was before the option
+        config.pop("refit_varied")
+    if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with
+        config.pop("key_pool_layers")
+        config.pop("key_pool")
+    for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
+                        ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
+                        ("check_before_recovery", True)):
+        if config[key] == before:  # the finetune as it was before these options: same keys
+            config.pop(key)
+    return config
 
 
 def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
