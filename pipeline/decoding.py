@@ -201,7 +201,8 @@ class StudentReader:
             outs = self.step.run(None, dict(zip(self.step_inputs, [ids, *past, *cross])))
             return outs[0], outs[1:]
 
-        # a piece spells a token or more: max_tokens pieces spell max_tokens tokens at least
+        # at most max_tokens BPE steps: a piece spells a token or more, so the spelled length stops it first,
+        # but for pieces that spell nothing (a special the student is not banned from), which the cap ends
         ids = cached_greedy(first, step, 1, self.bos, self.eos, self.banned, self.max_tokens + 1)[0]
         guide = [t for tok in ids if 0 <= tok < len(self.pieces) and tok != self.eos for t in self.pieces[tok]]
         return guide[:self.max_tokens], calls[0]

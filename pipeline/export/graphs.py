@@ -40,6 +40,8 @@ class DecoderFirstGraph(nn.Module):
 class DecoderStepGraph(nn.Module):
     """input_ids [B, 1], past self K/V [B, H, P, d], cross K/V -> logits [B, V], present [B, H, P+1, d]."""
 
+    causal = every = False  # one new token: nothing to mask, its logits alone
+
     def __init__(self, cached: nn.Module):
         super().__init__()
         self.dec = cached
@@ -47,7 +49,7 @@ class DecoderStepGraph(nn.Module):
     def forward(self, input_ids: torch.Tensor, *kv: torch.Tensor):
         n = 2 * self.dec.num_layers
         past, cross = list(kv[:n]), list(kv[n:])
-        logits, present = self.dec.run(input_ids, past, cross, causal=False)
+        logits, present = self.dec.run(input_ids, past, cross, causal=self.causal, every=self.every)
         return (logits, *present)
 
 
@@ -58,20 +60,12 @@ class DecoderStepGraph(nn.Module):
 VERIFY_WIDTH = 9
 
 
-class DecoderVerifyGraph(nn.Module):
+class DecoderVerifyGraph(DecoderStepGraph):
     """input_ids [1, T] after past self K/V [1, H, P, d], cross K/V -> logits [1, T, V] (after each of the
     T tokens), present [1, H, P+T, d]: speculative decoding checks T drafted tokens in one call. Token i
     reads the past and new tokens 0..i (causal, offset by P), so its logits equal T single steps'."""
 
-    def __init__(self, cached: nn.Module):
-        super().__init__()
-        self.dec = cached
-
-    def forward(self, input_ids: torch.Tensor, *kv: torch.Tensor):
-        n = 2 * self.dec.num_layers
-        past, cross = list(kv[:n]), list(kv[n:])
-        logits, present = self.dec.run(input_ids, past, cross, causal=True, every=True)
-        return (logits, *present)
+    causal = every = True
 
 
 def io_names(num_layers: int) -> dict[str, list[str]]:
