@@ -17,7 +17,8 @@ built by stage export from artifacts the chain already makes (never from the eva
   what followed them then (the longest context wins; at equal length the reading's own; its share
   counts as 1).
 - ``bpe``: the rest of a formula-BPE piece (stage tokenizer's vocabulary) the text so far ends in
-  the start of (after ``\\f``, ``rac{``); the most frequent piece (the earliest merge) decides.
+  the start of: what all the pieces that start so go on with (after ``\\f``, ``rac{``); where they part
+  at once, a guess from the most frequent piece (the earliest merge) when a guess is asked for.
 - ``student``: the BPE student of stage distill reads the image first (its own two decoder graphs in
   the package, on the package's encoder output: a few BPE steps a formula), its reading spelled in the
   decoder's characters is the *guide*; where the last tokens written (``min_match`` or more) occur in
@@ -150,47 +151,87 @@ class NgramDrafter:
                    float(data.get("min_confidence", 0.0)), int(data.get("tail", 0)))
 
 
+# where a sure completion stops: a piece's rest past these is what one formula or a few wrote next
+_UNIT_END = frozenset("\\^_}])&, ")
+
+
+def _one_unit(rest: str) -> str:
+    """``rest`` up to the end of the command or group it completes: through an opening ``{``, before
+    the next command, script, closing bracket, alignment, comma or space (``pha})^{\\beta`` -> ``pha``,
+    ``rac{1}{`` -> ``rac{``)."""
+    for i, c in enumerate(rest):
+        if c == "{":
+            return rest[:i + 1]
+        if c in _UNIT_END:
+            return rest[:i]
+    return rest
+
+
 class BpeDrafter:
     """The rest of the formula-BPE piece the text so far ends in the start of, spelled in the
-    decoder's vocabulary (``token_texts``: what each token id writes; single characters here)."""
+    decoder's vocabulary (``token_texts``: what each token id writes; single characters here): what
+    every piece that starts so continues with (``completions``), else, asked for ``at_least`` drafts, the
+    most frequent piece's next characters (``guesses``)."""
 
     kind = "bpe"
 
-    def __init__(self, completions: dict[str, str], token_texts: Sequence[str]):
+    def __init__(self, completions: dict[str, str], token_texts: Sequence[str], guesses: dict[str, str] | None = None):
         self.completions = completions
-        self.longest = max((len(p) for p in completions), default=0)
+        self.guesses = guesses or {}
+        self.longest = max((len(p) for p in (*completions, *self.guesses)), default=0)
         self.spell = {t: i for i, t in enumerate(token_texts) if t}
         self.texts = list(token_texts)
 
     @classmethod
     def build(cls, pieces: Sequence[str], token_texts: Sequence[str]) -> "BpeDrafter":
-        """``pieces`` most frequent first (BPE merge order); a piece's every proper prefix is mapped
-        to the rest of the first piece that starts with it and can be spelled in the vocabulary."""
+        """``pieces`` most frequent first (BPE merge order), those the vocabulary can spell. A text that
+        starts a piece is completed by what all the longest pieces starting with it (those no other piece
+        extends) have in common, up to the end of the command or group it is in (:func:`_one_unit`): BPE merges ``\\f``, ``\\fr``, ... ``\\frac{``, ``\\frac{1}{``, ``\\frac{x}{`` in
+        turn, and after ``\\f`` every one of them goes on ``rac{``. Where they part at once (``\\le``: ``\\leq``,
+        ``\\left``), the guess is the first merged piece's next characters (the most frequent pair)."""
         spell = {t for t in token_texts if t}
-        completions: dict[str, str] = {}
-        for piece in pieces:
-            if len(piece) < 2 or not all(c in spell for c in piece):
-                continue
+        kept = [p for p in pieces if len(p) >= 2 and all(c in spell for c in p)]
+        inner = {p[:i] for p in kept for i in range(1, len(p))}
+        common: dict[str, str] = {}
+        for leaf in (p for p in kept if p not in inner):
+            for i in range(1, len(leaf)):
+                start, rest = leaf[:i], leaf[i:]
+                have = common.get(start)
+                if have is None:
+                    common[start] = rest
+                else:
+                    n = 0
+                    while n < min(len(have), len(rest)) and have[n] == rest[n]:
+                        n += 1
+                    common[start] = have[:n]
+        guesses: dict[str, str] = {}
+        for piece in kept:
             for i in range(1, len(piece)):
-                completions.setdefault(piece[:i], piece[i:])
-        return cls(completions, token_texts)
+                if not _one_unit(common.get(piece[:i], "")):
+                    guesses.setdefault(piece[:i], piece[i:])
+        sure = {k: _one_unit(v) for k, v in common.items()}
+        return cls({k: v for k, v in sure.items() if v}, token_texts, guesses)
 
     def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
-        """The rest of the longest formula-BPE piece the text written ends inside (``at_least``: it has
-        no confidence to ignore)."""
+        """The rest of the longest piece start the text written ends in: what every piece there goes on
+        with; where they part at once, the ``at_least`` first characters of the most frequent one."""
         text = "".join(self.texts[i] if 0 <= i < len(self.texts) else "" for i in ids[-self.longest:])
         for n in range(min(self.longest, len(text)), 0, -1):
-            rest = self.completions.get(text[-n:])
-            if rest is not None:
+            start = text[-n:]
+            rest = self.completions.get(start)
+            if rest:
                 return [self.spell[c] for c in rest[:k]]
+            if start in self.guesses:
+                return [self.spell[c] for c in self.guesses[start][:min(k, at_least)]]
         return []
 
     def to_json(self) -> dict:
-        return {"completions": dict(sorted(self.completions.items()))}
+        return {"completions": dict(sorted(self.completions.items())), "guesses": dict(sorted(self.guesses.items()))}
 
     @classmethod
     def from_json(cls, data: dict, token_texts: Sequence[str] = (), **_) -> "BpeDrafter":
-        return cls(dict(data["completions"]), token_texts)
+        """(Drafters from before the guesses: their completions are the first merged piece's rest.)"""
+        return cls(dict(data["completions"]), token_texts, dict(data.get("guesses", {})))
 
 
 class StudentDrafter(NgramDrafter):

@@ -235,13 +235,29 @@ def test_tail_drafts_guesses_after_the_confident_ones_and_round_trips(tmp_path):
         drafting.NgramDrafter.build(readings, BOS, order=3, tail=-1)
 
 
-def test_bpe_drafter_completes_a_piece():
-    texts = ["", "", ""] + list("\\frac{}ab")
-    d = drafting.BpeDrafter.build(["\\frac{", "ab", "\\f"], texts)
+def test_bpe_drafter_completes_a_piece_as_far_as_every_longer_piece_goes(tmp_path):
+    """Pieces in merge order, as a BPE trainer writes them: ``\\f`` first, then each longer one."""
+    texts = ["", "", ""] + list("\\frac{}12xleqt^()")
+    pieces = ["\\f", "\\fr", "\\fra", "\\frac", "\\frac{", "\\le", "^{", "\\leq", "\\lef", "\\frac{1}{",
+              "\\left", "\\left(", "\\frac{x}{", "\\frac{1}{2}", "xx})^{\\frac"]
+    d = drafting.BpeDrafter.build(pieces, texts)
     ids = {t: i for i, t in enumerate(texts) if t}
-    assert d.propose([BOS, ids["\\"], ids["f"]], 8) == [ids[c] for c in "rac{"]
-    assert d.propose([BOS, ids["a"]], 8) == [ids["b"]]
-    assert d.propose([BOS, ids["}"]], 8) == []
+
+    def after(text: str, k: int = 8, at_least: int = 0) -> str:
+        return "".join(texts[i] for i in d.propose([BOS, *(ids[c] for c in text)], k, at_least))
+
+    assert after("\\f") == "rac{" and after("2\\fra") == "c{"     # every longer piece goes on so, to its group
+    assert after("\\f", k=2) == "ra"
+    assert after("\\frac{") == "" and after("\\frac{", at_least=1) == "1"  # they part at once: the first merged
+    assert after("\\le") == "" and after("\\le", at_least=2) == "q"        # ... guessed when asked (\\leq: its rest)
+    assert after("\\lef") == "t(" and after("^") == "{"
+    assert after("xx") == ""                              # what one piece wrote on past a group's end: not sure
+    assert after("t") == "" and after("t", at_least=3) == ""  # no piece starts so: nothing
+    drafting.save(d, tmp_path / "drafter.json", 8, {})
+    back, _ = drafting.load(tmp_path / "drafter.json", texts)
+    assert back.completions == d.completions and back.guesses == d.guesses
+    old = drafting.BpeDrafter({"\\f": "r"}, texts)                   # a file from before the guesses
+    assert old.propose([BOS, ids["\\"], ids["f"]], 8) == [ids["r"]]
 
 
 def test_student_drafter_follows_its_guide_and_falls_back_to_the_table(tmp_path):
