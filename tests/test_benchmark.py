@@ -193,6 +193,15 @@ def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path
     assert row[summary.HEADER.index("identical tokens")] == "–"
 
 
+def test_without_greedy_rows_the_speculative_check_is_said_to_be_off(root):
+    """The check reads a package with a drafter against its plain greedy twin: without the twins'
+    rows there is none, and the notes say so rather than leave the section out unexplained."""
+    m = _run(root, "benchmark.greedy_rows=false", "benchmark.default_packages=false", "benchmark.memory=false",
+             f"+benchmark.packages.mine={root / 'other-package'}", "benchmark.name=bench-no-twins")["metrics"]
+    assert m["speculative"] == {} and not any(v["label"].endswith("(greedy)") for v in m["variants"])
+    assert any(n.startswith("benchmark.greedy_rows=false: no speculative check of mine") for n in m["notes"])
+
+
 def test_missing_package_named_is_one_error_line(root, tmp_path):
     with pytest.raises(PipelineError, match=r"benchmark.packages: no exported package .* at nope="):
         _run(root, f"+benchmark.packages.nope={tmp_path / 'no-such-package'}", "benchmark.name=bench-missing")

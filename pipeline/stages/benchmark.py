@@ -218,7 +218,14 @@ def _lineup(cfg: BenchmarkConfig, ctx: StageContext, adapter: ModelAdapter, fold
     else:
         notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
     variants += [package_variant(label, f, int(cfg.threads)) for label, f in folders.items()]
-    return with_greedy_twins(variants, int(cfg.threads)) if cfg.greedy_rows else Lineup(variants)
+    if cfg.greedy_rows:
+        return with_greedy_twins(variants, int(cfg.threads))
+    fast = [v.label for v in variants if v.package is not None and v.package.speculative]
+    if fast:  # the check reads each against its greedy twin
+        notes.append(f"benchmark.greedy_rows=false: no speculative check of {', '.join(fast)} (it reads each "
+                     f"against its plain greedy twin)")
+        log.warning(f"[benchmark] {notes[-1]}")
+    return Lineup(variants)
 
 
 def _accuracy(cfg: BenchmarkConfig, ctx: StageContext, lineup: Lineup, images: np.ndarray, truths: list[str],
