@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -175,7 +176,8 @@ class BpeDrafter:
 
     kind = "bpe"
 
-    def __init__(self, completions: dict[str, str], token_texts: Sequence[str], guesses: dict[str, str] | None = None):
+    def __init__(self, completions: dict[str, str], token_texts: Sequence[str],
+                 guesses: dict[str, str] | None = None):
         self.completions = completions
         self.guesses = guesses or {}
         self.longest = max((len(p) for p in (*completions, *self.guesses)), default=0)
@@ -186,31 +188,25 @@ class BpeDrafter:
     def build(cls, pieces: Sequence[str], token_texts: Sequence[str]) -> "BpeDrafter":
         """``pieces`` most frequent first (BPE merge order), those the vocabulary can spell. A text that
         starts a piece is completed by what all the longest pieces starting with it (those no other piece
-        extends) have in common, up to the end of the command or group it is in (:func:`_one_unit`): BPE merges ``\\f``, ``\\fr``, ... ``\\frac{``, ``\\frac{1}{``, ``\\frac{x}{`` in
-        turn, and after ``\\f`` every one of them goes on ``rac{``. Where they part at once (``\\le``: ``\\leq``,
-        ``\\left``), the guess is the first merged piece's next characters (the most frequent pair)."""
+        extends) have in common, up to the end of the command or group it is in (:func:`_one_unit`): BPE
+        merges ``\\f``, ``\\fr``, ... ``\\frac{``, ``\\frac{1}{``, ``\\frac{x}{`` in turn, and after ``\\f`` every
+        one of them goes on ``rac{``. Where they part at once (``\\le``: ``\\leq``, ``\\left``), the guess is
+        the first merged piece's next characters (the most frequent pair)."""
         spell = {t for t in token_texts if t}
         kept = [p for p in pieces if len(p) >= 2 and all(c in spell for c in p)]
         inner = {p[:i] for p in kept for i in range(1, len(p))}
         common: dict[str, str] = {}
         for leaf in (p for p in kept if p not in inner):
             for i in range(1, len(leaf)):
-                start, rest = leaf[:i], leaf[i:]
-                have = common.get(start)
-                if have is None:
-                    common[start] = rest
-                else:
-                    n = 0
-                    while n < min(len(have), len(rest)) and have[n] == rest[n]:
-                        n += 1
-                    common[start] = have[:n]
+                start = leaf[:i]
+                common[start] = os.path.commonprefix([common.get(start, leaf[i:]), leaf[i:]])
+        sure = {k: v for k, v in ((k, _one_unit(v)) for k, v in common.items()) if v}
         guesses: dict[str, str] = {}
         for piece in kept:
             for i in range(1, len(piece)):
-                if not _one_unit(common.get(piece[:i], "")):
+                if piece[:i] not in sure:
                     guesses.setdefault(piece[:i], piece[i:])
-        sure = {k: _one_unit(v) for k, v in common.items()}
-        return cls({k: v for k, v in sure.items() if v}, token_texts, guesses)
+        return cls(sure, token_texts, guesses)
 
     def propose(self, ids: Sequence[int], k: int, at_least: int = 0) -> list[int]:
         """The rest of the longest piece start the text written ends in: what every piece there goes on

@@ -229,7 +229,8 @@ def test_spearman():
     assert scores.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert scores.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert scores.against_ablation({"l2_qkv": [[1, 2]], "random": [[1, 2]]}) == {}
-    got = scores.against_ablation({"l2_qkv": [[1, 2], [3, 4]], "random": [[4, 3], [2, 1]], "ablation": [[1, 2], [3, 5]]})
+    got = scores.against_ablation({"l2_qkv": [[1, 2], [3, 4]], "random": [[4, 3], [2, 1]],
+                                   "ablation": [[1, 2], [3, 5]]})
     assert got == pytest.approx({"l2_qkv": 1.0, "random": -1.0})
 
 
