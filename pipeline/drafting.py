@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -198,8 +197,9 @@ class BpeDrafter:
         common: dict[str, str] = {}
         for leaf in (p for p in kept if p not in inner):
             for i in range(1, len(leaf)):
-                start = leaf[:i]
-                common[start] = os.path.commonprefix([common.get(start, leaf[i:]), leaf[i:]])
+                have, rest = common.get(leaf[:i], leaf[i:]), leaf[i:]
+                same = next((j for j, (a, b) in enumerate(zip(have, rest)) if a != b), min(len(have), len(rest)))
+                common[leaf[:i]] = have[:same]
         sure = {k: v for k, v in ((k, _one_unit(v)) for k, v in common.items()) if v}
         guesses: dict[str, str] = {}
         for piece in kept:
