@@ -6,7 +6,8 @@ builds them) and calib formulas (where the settings are judged) with plain greed
 1, one thread. Then each drafter (ngram per order and min count, bpe when a tokenizer file is given)
 and draft length k is run through the real speculative loop (``pipeline/decoding.py``) against the
 calib readings themselves (the decoder replaced by the known reading: exact for calls and widths),
-and its decoder milliseconds per formula estimated from the timed widths. Prints the table, best
+and its decoder milliseconds per formula estimated from the timed widths and the timed ``decoder_first`` call
+(plain greedy's: that call and a timed step a token). Prints the table, best
 first. With ``--check eval shift`` (and the shift split's file among the formulas files) the best
 setting of each drafter kind on calib is then run on those splits too (exact calls, estimated
 milliseconds): a check of the choice, never an input to it (the benchmark stage measures the
@@ -26,6 +27,10 @@ bound saves against the ngram drafter.
         --min-confidences 0.7 --tails 0 1 2 --draft-lens 8     (the tail; on a GPU package: its provider's widths)
     python benchmarks/speculative.py ... --train 1779 --calib 597 --varied 0 1000 3000 --ship-calib \
         --cache /tmp/readings.json     (more readings to draft from: the varied grammar's, the calib split's)
+
+``--time N`` times the real loops on N calib formulas (the package's sessions, batch 1): plain greedy, the best
+ngram setting, and a perfect drafter that proposes the package's own greedy reading: the most any drafter can
+save on this machine, measured.
 
 ``--varied N``: tables built from the train readings plus the package's readings of N formulas of the varied
 grammar (``pipeline/data/templates.py``), judged on calib like any setting; ``--ship-calib``: the checks also
@@ -68,6 +73,23 @@ def widths_cost(package: OnnxPackage, max_width: int, past_len: int = 40, repeat
     return out
 
 
+def calls_cost(package: OnnxPackage, past_len: int = 40, repeat: int = 100) -> tuple[float, float]:
+    """Milliseconds of one ``decoder_first`` call (BOS: the cross-attention K/V of the image's memory are
+    computed there, several steps' worth) and of one ``decoder_step`` call after ``past_len`` tokens, batch 1."""
+    memory = package.encode(np.ones((1, *package.meta["input_shape"]), np.float32))
+    bos = np.full((1, 1), package.bos, dtype=np.int64)
+    _, past, cross = package.first(np.asarray([[package.bos] + [package.eos] * (past_len - 1)]), memory)
+    ids = np.full((1, 1), package.eos, dtype=np.int64)
+    out = []
+    for call in (lambda: package.first(bos, memory), lambda: package.step(ids, past, cross)):
+        call()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            call()
+        out.append(1000 * (time.perf_counter() - t0) / repeat)
+    return out[0], out[1]
+
+
 def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, max_length: int,
              vocab: int, min_drafts: int = 0) -> list[int]:
     """The widths of the verify calls speculative decoding makes for ``reading`` (the decoder's
@@ -92,6 +114,52 @@ def simulate(propose, reading: list[int], bos: int, eos: int, draft_len: int, ma
     got = speculative_greedy(first, verify, propose, bos, eos, [], max_length, draft_len, min_drafts=min_drafts)
     assert got == reading[:len(got)], "the loop must write the reading"
     return widths
+
+
+def timed(package: OnnxPackage, images: np.ndarray, drafter, draft_len: int, max_length: int,
+          repeats: int = 3) -> dict:
+    """Decoder milliseconds a formula (the first call included, the encoder not) through the package's real
+    loops, timed: plain greedy on the step graph, speculative with ``drafter`` and speculative with a perfect
+    drafter (it proposes the package's own greedy reading of the image: what no drafter can beat), in
+    rotating order ``repeats`` times over ``images`` (batch 1, the package's threads). Also the calls a formula."""
+    from pipeline.decoding import cached_greedy
+
+    guard = package.layout_guard(package._vocab()) if package.layout_run_cap else None
+    memories = [package.encode(images[i:i + 1]) for i in range(images.shape[0])]
+    readings = [cached_greedy(lambda ids, m=m: package.first(ids, m), package.step, 1, package.bos, package.eos,
+                              package.banned, max_length, guard)[0] for m in memories]
+    shown: list[list[int]] = [[]]
+
+    def perfect(ids, k, at_least=0):
+        return shown[0][len(ids) - 1:len(ids) - 1 + k]
+
+    def decode(how: str, memory: np.ndarray, reading: list[int], stats: SpeculativeStats) -> None:
+        first = lambda ids: package.first(ids, memory)  # noqa: E731
+        if how == "greedy":
+            stats.calls += len(cached_greedy(first, package.step, 1, package.bos, package.eos, package.banned,
+                                             max_length, guard)[0])
+            return
+        shown[0] = reading
+        speculative_greedy(first, package.verify, perfect if how == "perfect" else drafter.propose, package.bos,
+                           package.eos, package.banned, max_length, draft_len, guard, stats, package.free_drafts)
+
+    hows = ("greedy", "drafter", "perfect")
+    ms = {h: [] for h in hows}
+    calls = {}
+    for rep in range(repeats):
+        for how in hows[rep % 3:] + hows[:rep % 3]:
+            stats = SpeculativeStats()
+            t0 = time.perf_counter()
+            for memory, reading in zip(memories, readings):
+                decode(how, memory, reading, stats)
+            ms[how].append(1000 * (time.perf_counter() - t0) / len(memories))
+            calls[how] = stats.calls / len(memories)
+    out = {"n": len(memories), "repeats": repeats}
+    for how in hows:
+        mean = float(np.mean(ms[how]))
+        out[how] = {"decoder_ms": mean, "ms_ratio": float(np.mean(ms["greedy"])) / mean, "calls_per_formula": calls[how],
+                    "calls_ratio": calls["greedy"] / calls[how]}
+    return out
 
 
 def main(argv=None) -> int:
@@ -123,6 +191,9 @@ def main(argv=None) -> int:
                     help="the checks also run the best ngram setting built from the train and calib readings")
     ap.add_argument("--cache", type=Path, default=None,
                     help="a JSON file the readings are kept in (by split and formula), reused by the next run")
+    ap.add_argument("--time", type=int, default=0, metavar="N",
+                    help="also time the real loops on N calib formulas: plain greedy, the best ngram setting and a "
+                         "perfect drafter (the package's own reading: the most any drafter can save on this machine)")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
     args = ap.parse_args(argv)
@@ -162,7 +233,7 @@ def main(argv=None) -> int:
               f"a formula", flush=True)
     if args.cache:
         args.cache.write_text(json.dumps(cache))
-    step_ms = widths_cost(package, 1)[1]
+    first_ms, step_ms = calls_cost(package)
     cost = widths_cost(package, max(args.draft_lens) + 1)
     print("[speculative] verify ms by width: " + ", ".join(f"{w}: {c:.2f}" for w, c in cost.items()), flush=True)
     vocab = package._vocab()
@@ -183,6 +254,9 @@ def main(argv=None) -> int:
                             settings[name] = (o, m, s, c, t, v)
     if args.bpe is not None:
         drafters["bpe"] = drafting.BpeDrafter.build(bpe_pieces(args.bpe), token_texts(package))
+    def greedy_ms(calls: float) -> float:  # plain greedy: decoder_first, then a step a token
+        return first_ms + (calls - 1) * step_ms
+
     def judge(drafter, k: int, split: str, guide=None) -> dict:
         greedy_calls = float(np.mean([len(r) for r in readings[split]]))
         widths = []
@@ -192,21 +266,21 @@ def main(argv=None) -> int:
             widths.append(simulate(drafter.propose, r, package.bos, package.eos, k, max_length, vocab,
                                    package.free_drafts))
         calls = float(np.mean([1 + len(w) for w in widths]))
-        ms = float(np.mean([step_ms + sum(cost[x] for x in w) for w in widths]))  # the first call ~ a step
+        ms = float(np.mean([first_ms + sum(cost[x] for x in w) for w in widths]))
         drafted = sum(x - 1 for w in widths for x in w)
         verifies = sum(len(w) for w in widths)
         tokens = sum(len(r) for r in readings[split])
         return {"calls_per_formula": calls, "calls_ratio": greedy_calls / calls,
                 "accepted_per_verify": (tokens - len(widths) - verifies) / max(1, verifies),
                 "drafted_per_verify": drafted / max(1, verifies), "est_decoder_ms": ms,
-                "est_ms_ratio": greedy_calls * step_ms / ms, "greedy_calls": greedy_calls}
+                "est_ms_ratio": greedy_ms(greedy_calls) / ms, "greedy_calls": greedy_calls}
 
     greedy_calls = float(np.mean([len(r) for r in readings["calib"]]))
     table = [{"drafter": name, "draft_len": k, **judge(drafter, k, "calib")}
              for name, drafter in drafters.items() for k in args.draft_lens]
     table.sort(key=lambda r: r["est_decoder_ms"])
     print(f"\ncalib, {len(readings['calib'])} formulas: greedy {greedy_calls:.1f} calls, est. "
-          f"{greedy_calls * step_ms:.1f} decoder ms a formula (step {step_ms:.2f} ms)")
+          f"{greedy_ms(greedy_calls):.1f} decoder ms a formula (first call {first_ms:.2f} ms, step {step_ms:.2f} ms)")
     print(f"{'drafter':36s} {'k':>3s} {'calls':>7s} {'ratio':>6s} {'est ms':>7s} {'ratio':>6s}")
     for r in table:
         print(f"{r['drafter']:36s} {r['draft_len']:3d} {r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x "
@@ -242,6 +316,19 @@ def main(argv=None) -> int:
                 checks.append({"drafter": f"{label} ({best['drafter']})", "draft_len": best["draft_len"],
                                "split": split, "n": len(readings[split]),
                                **judge(student, best["draft_len"], split, guide)})
+    timing = None
+    if args.time:
+        best = next(r for r in table if r["drafter"] in settings)
+        items = render_inputs([(f, f) for f in splits["calib"][:args.time]], package.preprocess, desc="render calib")
+        images = np.stack([np.asarray(x[2]) for x in items]).astype(np.float32)
+        timing = {"setting": best["drafter"], "draft_len": best["draft_len"],
+                  **timed(package, images, drafters[best["drafter"]], best["draft_len"], max_length)}
+        print(f"\ntimed, calib, {timing['n']} formulas, {timing['repeats']} rounds in rotating order (decoder ms a "
+              f"formula, the first call included):")
+        for how, label in (("greedy", "plain greedy"), ("drafter", best["drafter"]), ("perfect", "perfect drafter")):
+            r = timing[how]
+            print(f"{label:44s} calls {r['calls_per_formula']:6.1f} ({r['calls_ratio']:4.2f}x)  ms {r['decoder_ms']:6.1f} "
+                  f"({r['ms_ratio']:4.2f}x)")
     if checks:
         print(f"\nthe best setting of each kind on calib, checked (calls exact, ms estimated from the timed calls):")
         print(f"{'drafter':36s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "
@@ -251,8 +338,9 @@ def main(argv=None) -> int:
                   f"{r['calls_per_formula']:7.1f} {r['calls_ratio']:5.2f}x {r['accepted_per_verify']:8.2f} "
                   f"{r['est_decoder_ms']:7.1f} {r['est_ms_ratio']:5.2f}x")
     if args.out:
-        args.out.write_text(json.dumps({"step_ms": step_ms, "verify_ms": cost, "greedy_calls": greedy_calls,
-                                        "rows": table, "checks": checks}, indent=2) + "\n")
+        args.out.write_text(json.dumps({"first_ms": first_ms, "step_ms": step_ms, "verify_ms": cost,
+                                        "greedy_calls": greedy_calls,
+                                        "rows": table, "checks": checks, "timed": timing}, indent=2) + "\n")
     return 0
 
 

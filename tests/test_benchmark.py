@@ -389,9 +389,18 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), str(root / "export-ort_cpu"),
                            str(tmp_path / "formulas.jsonl"), "--train", "6", "--calib", "4", "--orders", "1", "3",
                            "--min-counts", "1", "--draft-lens", "1", "4", "--check", "eval", "--max-length", "8",
-                           "--student-bound", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--student-bound", "--time", "3", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = json.loads(out.read_text())
+    assert table["first_ms"] > 0 and table["step_ms"] > 0
+    # the real loops timed on 3 calib formulas: greedy, the best ngram setting, a drafter proposing greedy's reading
+    timed = table["timed"]
+    assert (timed["n"], timed["setting"]) == (3, table["rows"][0]["drafter"])
+    assert timed["greedy"]["calls_ratio"] == 1.0 and timed["greedy"]["calls_per_formula"] > 1
+    for how in ("drafter", "perfect"):
+        assert 1 <= timed[how]["calls_per_formula"] <= timed["greedy"]["calls_per_formula"]
+        assert timed[how]["decoder_ms"] > 0
     assert {(r["drafter"], r["draft_len"]) for r in table["rows"]} == \
         {(f"ngram order {o} min 1", k) for o in (1, 3) for k in (1, 4)}
     assert [r["est_decoder_ms"] for r in table["rows"]] == sorted(r["est_decoder_ms"] for r in table["rows"])
