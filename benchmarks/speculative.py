@@ -28,7 +28,7 @@ bound saves against the ngram drafter.
     python benchmarks/speculative.py ... --train 1779 --calib 597 --varied 0 1000 3000 --ship-calib \
         --cache /tmp/readings.json     (more readings to draft from: the varied grammar's, the calib split's)
 
-``--time N`` times the real loops on N calib formulas (the package's sessions, batch 1): plain greedy, the best
+``--time N`` times the real loops on N formulas of calib and of each checked split (the package's sessions, batch 1): plain greedy, the best
 ngram setting, and a perfect drafter that proposes the package's own greedy reading: the most any drafter can
 save on this machine, measured.
 
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=None,
                     help="a JSON file the readings are kept in (by split and formula), reused by the next run")
     ap.add_argument("--time", type=int, default=0, metavar="N",
-                    help="also time the real loops on N calib formulas: plain greedy, the best ngram setting and a "
+                    help="also time the real loops on N formulas of calib and of each --check split: plain greedy, the best ngram setting and a "
                          "perfect drafter (the package's own reading: the most any drafter can save on this machine)")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
@@ -317,18 +317,20 @@ def main(argv=None) -> int:
                                "split": split, "n": len(readings[split]),
                                **judge(student, best["draft_len"], split, guide)})
     timing = None
-    if args.time:
+    if args.time:  # on calib, then on each checked split
         best = next(r for r in table if r["drafter"] in settings)
-        items = render_inputs([(f, f) for f in splits["calib"][:args.time]], package.preprocess, desc="render calib")
-        images = np.stack([np.asarray(x[2]) for x in items]).astype(np.float32)
-        timing = {"setting": best["drafter"], "draft_len": best["draft_len"],
-                  **timed(package, images, drafters[best["drafter"]], best["draft_len"], max_length)}
-        print(f"\ntimed, calib, {timing['n']} formulas, {timing['repeats']} rounds in rotating order (decoder ms a "
-              f"formula, the first call included):")
-        for how, label in (("greedy", "plain greedy"), ("drafter", best["drafter"]), ("perfect", "perfect drafter")):
-            r = timing[how]
-            print(f"{label:44s} calls {r['calls_per_formula']:6.1f} ({r['calls_ratio']:4.2f}x)  ms {r['decoder_ms']:6.1f} "
-                  f"({r['ms_ratio']:4.2f}x)")
+        timing = {"setting": best["drafter"], "draft_len": best["draft_len"]}
+        print(f"\ntimed, {args.time} formulas a split, 3 rounds in rotating order (decoder ms a formula, the first "
+              f"call included; {best['drafter']}, k {best['draft_len']}):")
+        for split in ["calib", *args.check]:
+            items = render_inputs([(f, f) for f in splits[split][:args.time]], package.preprocess,
+                                  desc=f"render {split}")
+            images = np.stack([np.asarray(x[2]) for x in items]).astype(np.float32)
+            timing[split] = timed(package, images, drafters[best["drafter"]], best["draft_len"], max_length)
+            for how, label in (("greedy", "plain greedy"), ("drafter", "ngram"), ("perfect", "perfect drafter")):
+                r = timing[split][how]
+                print(f"{split:6s} n {timing[split]['n']:4d} {label:16s} calls {r['calls_per_formula']:6.1f} "
+                      f"({r['calls_ratio']:4.2f}x)  ms {r['decoder_ms']:6.1f} ({r['ms_ratio']:4.2f}x)")
     if checks:
         print(f"\nthe best setting of each kind on calib, checked (calls exact, ms estimated from the timed calls):")
         print(f"{'drafter':36s} {'k':>3s} {'split':>6s} {'n':>5s} {'greedy':>7s} {'calls':>7s} {'ratio':>6s} "

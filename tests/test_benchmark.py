@@ -394,13 +394,17 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = json.loads(out.read_text())
     assert table["first_ms"] > 0 and table["step_ms"] > 0
-    # the real loops timed on 3 calib formulas: greedy, the best ngram setting, a drafter proposing greedy's reading
+    # the real loops timed on 3 formulas of calib and of eval: greedy, the best ngram setting, a drafter
+    # proposing greedy's reading
     timed = table["timed"]
-    assert (timed["n"], timed["setting"]) == (3, table["rows"][0]["drafter"])
-    assert timed["greedy"]["calls_ratio"] == 1.0 and timed["greedy"]["calls_per_formula"] > 1
-    for how in ("drafter", "perfect"):
-        assert 1 <= timed[how]["calls_per_formula"] <= timed["greedy"]["calls_per_formula"]
-        assert timed[how]["decoder_ms"] > 0
+    assert timed["setting"] == table["rows"][0]["drafter"] and set(timed) == {"setting", "draft_len", "calib", "eval"}
+    for split in ("calib", "eval"):
+        assert timed[split]["n"] == 3
+        greedy = timed[split]["greedy"]
+        assert greedy["calls_ratio"] == 1.0 and greedy["calls_per_formula"] > 1
+        for how in ("drafter", "perfect"):
+            assert 1 <= timed[split][how]["calls_per_formula"] <= greedy["calls_per_formula"]
+            assert timed[split][how]["decoder_ms"] > 0
     assert {(r["drafter"], r["draft_len"]) for r in table["rows"]} == \
         {(f"ngram order {o} min 1", k) for o in (1, 3) for k in (1, 4)}
     assert [r["est_decoder_ms"] for r in table["rows"]] == sorted(r["est_decoder_ms"] for r in table["rows"])
@@ -467,3 +471,29 @@ def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decoder_call.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not an exported package" in bad.stderr.splitlines()[-1]
+
+
+def test_decoder_widths_script_times_verify_widths_and_step_batches(root, tmp_path):
+    """benchmarks/decoder_widths.py on the tiny model (CPU): a verify-shaped call per width at batch 1 and a
+    step-shaped call per batch, each against width 1 / the smallest batch; bad settings are one error line."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    script = [sys.executable, str(REPO / "benchmarks" / "decoder_widths.py"), "--model", str(root / "tiny-model")]
+    out = tmp_path / "widths.json"
+    proc = subprocess.run([*script, "--max-width", "3", "--batches", "2", "1", "--past", "5", "--repeat", "3",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert (got["device"], got["dtype"], got["past"]) == ("cpu", "float32", 5)
+    assert list(got["width_ms"]) == ["1", "2", "3"] and list(got["batch_ms"]) == ["1", "2"]
+    assert got["width_ratio"]["1"] == 1.0 and got["batch_ratio"]["1"] == 1.0
+    assert all(ms > 0 for ms in [*got["width_ms"].values(), *got["batch_ms"].values()])
+    assert "width (batch 1): 1:" in proc.stdout and "batch (1 token): 1:" in proc.stdout
+    for args, said in ((["--past", "63"], "exceed the decoder's 64 positions"),
+                       (["--model", str(tmp_path / "none")], str(tmp_path / "none")),
+                       (["--device", "cuda:7"], "no CUDA device")):
+        bad = subprocess.run([*script, *args], capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and said in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
