@@ -86,7 +86,7 @@ def check_config(cfg: DictConfig) -> None:
     from omegaconf import OmegaConf
 
     from pipeline.files import check_name, check_output_dir
-    from pipeline.stages import STAGES, check_data_group
+    from pipeline.stages import DATA_STAGES, STAGES, check_data_group
 
     OmegaConf.to_object(cfg.model)  # ModelConfig.__post_init__: also on multirun jobs
     from pipeline import device
@@ -98,6 +98,10 @@ def check_config(cfg: DictConfig) -> None:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
     check_data_group(str(cfg.stage), str(cfg.data.kind))
+    if cfg.stage == "all" or cfg.stage in DATA_STAGES:  # the stages that open the data group's source
+        from calibration.sets import check_source
+
+        check_source(cfg.data)
     if cfg.stage in ("export", "all"):  # target.* overrides reach their target and hold, or fail here
         from pipeline.export.targets import KNOWN, resolve_target, target_configs
 

@@ -574,6 +574,8 @@ def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
     ("calibrate.size=0", "calibrate", "calibrate.size must be"),
     ("quantize.budget=2", "quantize", "quantize.budget must be in [0, 1)"),
     ("export.targets=[nosuch]", "export", "export.targets: unknown ['nosuch']"),
+    ("export.parity_images=0", "export", "export.parity_images must be >= 1, got 0"),
+    ("export.parity_limit=0", "export", "export.parity_limit must be >= 1 or null, got 0"),
     ("benchmark.samples=0", "benchmark", "benchmark.samples must be >= 1"),
 ])
 def test_every_stage_of_the_chain_checks_its_keys_before_the_first_one_runs(tmp_path, override, stage, needle):
@@ -586,6 +588,27 @@ def test_every_stage_of_the_chain_checks_its_keys_before_the_first_one_runs(tmp_
     cfg = compose_cfg(["stage=all", override, f"artifacts.dir={tmp_path / 'a'}"])
     with pytest.raises(PipelineError, match=re.escape(f"stage=all, stage {stage}: {needle}")):
         run_stages(cfg)
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("stage", ["all", "calibrate", "quantize"])
+def test_the_data_groups_source_is_checked_before_the_first_stage_runs(tmp_path, stage):
+    """calibrate opens the data group after prune's minutes under stage=all: an unknown kind, a missing or
+    absent path and a labels file that is not there fail before any stage, each in one line."""
+    from conftest import compose_cfg
+    from pipeline.__main__ import run_stages
+    from pipeline.errors import ConfigError
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for overrides, needle in ((["data.kind=bogus"], "data.kind 'bogus' unknown; known: corpus, image_folder, hf_disk"),
+                              (["data=image_folder"], "data.path is required for data=image_folder"),
+                              (["data=hf_disk", f"data.path={tmp_path / 'nowhere'}"], "nowhere does not exist"),
+                              (["data=image_folder", f"data.path={images}", f"data.labels={tmp_path / 'l.tsv'}"],
+                               f"data.labels: no such file {tmp_path / 'l.tsv'}")):
+        cfg = compose_cfg([f"stage={stage}", *overrides, f"artifacts.dir={tmp_path / 'a'}"])
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            run_stages(cfg)
     assert not (tmp_path / "a").exists()
 
 

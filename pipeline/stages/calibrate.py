@@ -49,25 +49,19 @@ Config = CalibrateConfig
 def open_source(ctx: StageContext, workers: int) -> tuple[sets.Source, dict[str, str]]:
     """The configured source and the hashes of its inputs (for reuse)."""
     data = ctx.cfg.data
-    kind = str(data.kind)
-    if kind == "corpus":
+    sets.check_source(data)
+    if data.kind == "corpus":
         formulas = ctx.split("calib")
         return sets.CorpusSource(formulas, workers), {
             "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
-    if kind in ("image_folder", "hf_disk"):
-        if not data.path:
-            raise PipelineError(f"data.path is required for data={kind}")
-        path = Path(str(data.path))
-        if not path.exists():
-            raise PipelineError(f"data.path: {path} does not exist")
-        if kind == "image_folder":
-            source = sets.ImageFolderSource(path, data.labels)
-            inputs = {"images": file_hash(path)}
-            if data.labels:
-                inputs["labels"] = file_hash(Path(str(data.labels)))
-            return source, inputs
-        return sets.HFDiskSource(path, str(data.image_column), data.text_column), {"dataset": file_hash(path)}
-    raise PipelineError(f"data.kind {kind!r} unknown; known: corpus, image_folder, hf_disk")
+    path = Path(str(data.path))
+    if data.kind == "image_folder":
+        source = sets.ImageFolderSource(path, data.labels)
+        inputs = {"images": file_hash(path)}
+        if data.labels:
+            inputs["labels"] = file_hash(Path(str(data.labels)))
+        return source, inputs
+    return sets.HFDiskSource(path, str(data.image_column), data.text_column), {"dataset": file_hash(path)}
 
 
 def validate(cfg: CalibrateConfig) -> None:

@@ -2,8 +2,10 @@
 
 ``python -m pipeline stage=export target=<ort_cpu|tensorrt|metax>`` writes
 ``<artifacts>/export-<target>/``: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx``,
-``tokenizer.json``, ``preprocess.json``, ``package.json``, ``provider_options.json``, the parity
-report, and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt`` imports).
+``decoder_verify.onnx``, ``tokenizer.json``, ``preprocess.json``, ``package.json``,
+``provider_options.json``, the parity report, with a drafter (``export.drafter``) ``drafter.json`` (and the
+student's two graphs for ``student``), and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt``
+imports).
 """
 from __future__ import annotations
 
@@ -228,6 +230,10 @@ def validate(cfg: ExportConfig) -> None:
     unknown = [t for t in cfg.targets if t not in KNOWN]
     if unknown:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
+    if cfg.parity_images < 1:
+        raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
+    if cfg.parity_limit is not None and cfg.parity_limit < 1:
+        raise PipelineError(f"export.parity_limit must be >= 1 or null, got {cfg.parity_limit}")
     if cfg.drafter not in spec.KINDS:
         raise PipelineError(f"export.drafter: unknown {cfg.drafter!r}; known: {', '.join(spec.KINDS)}")
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count", "student_min_match"):
@@ -255,10 +261,6 @@ def validate(cfg: ExportConfig) -> None:
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None,
              drafts: Optional[dict] = None) -> dict:
     target = resolve_target(tcfg)
-    if cfg.parity_images < 1:
-        raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
-    if cfg.parity_limit is not None and cfg.parity_limit < 1:
-        raise PipelineError(f"export.parity_limit must be >= 1 or null, got {cfg.parity_limit}")
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     name = ctx.artifact_name(f"export-{target.name}", cfg.name, stage="export")
