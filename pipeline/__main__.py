@@ -98,6 +98,7 @@ def check_config(cfg: DictConfig) -> None:
             check_name(section.name, f"{spec.config_key}.name")
     check_output_dir(cfg.artifacts.dir, "artifacts.dir")
     check_data_group(str(cfg.stage), str(cfg.data.kind))
+    check_model_refs(cfg)
     if cfg.stage == "all" or cfg.stage in DATA_STAGES:  # the stages that open the data group's source
         from calibration.sets import check_source
 
@@ -108,6 +109,34 @@ def check_config(cfg: DictConfig) -> None:
         names = [str(t) for t in cfg.export.targets if t in KNOWN]  # unknown ones: export's check
         for tcfg in (target_configs(names, cfg.target).values() if cfg.export.targets else [cfg.target]):
             resolve_target(tcfg)
+
+
+def check_model_refs(cfg: DictConfig) -> None:
+    """The ``model`` key of each stage the run starts names the original, ``auto``, a stage with a model
+    (by its stage or artifact name: an earlier stage of the chain makes it), an artifact under the root, or
+    a folder: a typo fails here, not when its stage starts (under stage=all, after prune's minutes). The
+    folder's contents are the stage's to check (:meth:`StageContext.model_folder`)."""
+    from pathlib import Path
+
+    from pipeline.context import ORIGINAL
+    from pipeline.errors import ConfigError
+    from pipeline.stages import ORDER, STAGES
+
+    runs = [STAGES[n] for n in (ORDER if cfg.stage == "all" else [cfg.stage]) if n in STAGES]
+    named = {str(cfg[s.config_key].name) for s in STAGES.values()
+             if cfg.get(s.config_key) is not None and cfg[s.config_key].get("name")}
+    known = {*ORIGINAL, "auto", *STAGES, *named}
+    root = Path(str(cfg.artifacts.dir))
+    for spec in runs:
+        section = cfg.get(spec.config_key)
+        if section is None or section.get("model") is None:
+            continue
+        if cfg.stage == "all" and not section.get("in_chain", True):
+            continue
+        ref = str(section.model)
+        if ref not in known and not (root / ref).exists() and not Path(ref).exists():
+            raise ConfigError(f"{spec.config_key}.model={ref!r}: not original or auto, not a stage or an artifact "
+                              f"under {root}, not a folder")
 
 
 def _task(cfg: DictConfig) -> None:

@@ -575,6 +575,10 @@ def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
     ("quantize.budget=2", "quantize", "quantize.budget must be in [0, 1)"),
     ("export.targets=[nosuch]", "export", "export.targets: unknown ['nosuch']"),
     ("export.parity_images=0", "export", "export.parity_images must be >= 1, got 0"),
+    ("prune.eval_splits=[eval,shfit]", "prune", "prune.eval_splits: unknown split(s) 'shfit'; known: train, calib"),
+    ("tokenizer.eval_split=evl", "tokenizer", "tokenizer.eval_split: unknown split(s) 'evl'"),
+    ("quantize.search_split=trian", "quantize", "quantize.search_split: unknown split(s) 'trian'"),
+    ("benchmark.extra_splits=[shift,nosuch]", "benchmark", "benchmark.extra_splits: unknown split(s) 'nosuch'"),
     ("export.parity_limit=0", "export", "export.parity_limit must be >= 1 or null, got 0"),
     ("benchmark.samples=0", "benchmark", "benchmark.samples must be >= 1"),
 ])
@@ -610,6 +614,25 @@ def test_the_data_groups_source_is_checked_before_the_first_stage_runs(tmp_path,
         with pytest.raises(ConfigError, match=re.escape(needle)):
             run_stages(cfg)
     assert not (tmp_path / "a").exists()
+
+
+def test_a_model_key_naming_nothing_fails_before_the_first_stage(tmp_path):
+    """quantize.model=prnue under stage=all: one line before prune starts; a stage's name, an artifact's
+    name (prune.name=...), auto, original and a folder pass the check."""
+    from conftest import compose_cfg
+    from pipeline.__main__ import check_model_refs
+    from pipeline.errors import ConfigError
+
+    root = tmp_path / "a"
+    for override in ("quantize.model=prnue", f"export.model={tmp_path / 'nowhere'}", "benchmark.model=none"):
+        with pytest.raises(ConfigError, match=re.escape(f"{override.split('=')[0]}={override.split('=')[1]!r}: not "
+                                                        f"original or auto, not a stage or an artifact under {root}")):
+            check_model_refs(compose_cfg(["stage=all", override, f"artifacts.dir={root}"]))
+    for overrides in (["quantize.model=prune"], ["prune.name=mine", "quantize.model=mine"], ["export.model=auto"],
+                      ["benchmark.model=original"], [f"prune.model={tmp_path}"], ["stage=evaluate", "quantize.model=x"]):
+        check_model_refs(compose_cfg(["stage=all", *overrides, f"artifacts.dir={root}"]))
+    one_error(run_cli("stage=all", "quantize.model=prnue", f"artifacts.dir={root}"), "quantize.model='prnue'")
+    assert not root.exists()  # refused before Hydra's own record of the run
 
 
 def test_a_bad_key_of_the_chains_fifth_stage_is_one_line_in_seconds(tmp_path):

@@ -29,6 +29,15 @@ from pipeline.pools import process_pool
 
 SPLITS = ("train", "calib", "eval")
 SHIFT = "shift"  # formulas from packages the corpus never read (pipeline.context: corpus-shift)
+
+
+def check_splits(key: str, names) -> None:
+    """``key`` names corpus splits (or the shift split) a stage reads: one error line at config time for a
+    name that is none of them (the stage would find no such split only when it starts reading)."""
+    unknown = [n for n in ([names] if isinstance(names, str) else list(names)) if n not in (*SPLITS, SHIFT)]
+    if unknown:
+        raise PipelineError(f"{key}: unknown split(s) {', '.join(map(repr, unknown))}; known: "
+                            f"{', '.join((*SPLITS, SHIFT))}")
 _ROLE = re.compile(r":math:`([^`]+)`")
 _DIRECTIVE = re.compile(r"^([ \t]*)\.\. math::[ \t]*(.*)$", re.M)
 # docutils also reads ``.. math ::`` (one space before the colons), mpmath's spelling. The corpus is

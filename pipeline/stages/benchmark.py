@@ -29,6 +29,7 @@ from pipeline.benchmarking.variants import (PACKAGE, TORCH, TORCH_KV, Lineup, pa
 from pipeline import files
 from pipeline.adapters.base import ModelAdapter
 from pipeline.context import StageContext, file_hash
+from pipeline.data.corpus import check_splits
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.names import DEPLOYABLE, FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL
@@ -94,6 +95,9 @@ def validate(cfg: BenchmarkConfig) -> None:
             raise PipelineError(f"benchmark.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.warmup < 0:
         raise PipelineError(f"benchmark.warmup must be >= 0, got {cfg.warmup}")
+    if not cfg.formulas:
+        check_splits("benchmark.split", cfg.split)
+    check_splits("benchmark.extra_splits", cfg.extra_splits)
     if cfg.split in cfg.extra_splits or len(set(cfg.extra_splits)) != len(cfg.extra_splits):
         raise PipelineError(f"benchmark.extra_splits={list(cfg.extra_splits)}: each split once, and not the "
                             f"benchmark's own split {cfg.split!r}")

@@ -70,6 +70,11 @@ def validate(cfg: CalibrateConfig) -> None:
         raise PipelineError(f"calibrate.size must be {sets.MIN_SIZE}-{sets.MAX_SIZE}, got {cfg.size}")
     if not 0 <= cfg.near_duplicate < 1:
         raise PipelineError(f"calibrate.near_duplicate must be in [0, 1), got {cfg.near_duplicate}")
+    if not 0 <= cfg.max_share_distance <= 1:
+        raise PipelineError(f"calibrate.max_share_distance must be in [0, 1] (a total-variation distance), "
+                            f"got {cfg.max_share_distance}")
+    if cfg.contact_sheet < 0:
+        raise PipelineError(f"calibrate.contact_sheet must be >= 0, got {cfg.contact_sheet}")
     if cfg.workers < 0:
         raise PipelineError(f"calibrate.workers must be >= 0, got {cfg.workers}")
 

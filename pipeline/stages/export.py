@@ -232,8 +232,12 @@ def validate(cfg: ExportConfig) -> None:
         raise PipelineError(f"export.targets: unknown {unknown}; known: {', '.join(KNOWN)}")
     if cfg.parity_images < 1:
         raise PipelineError(f"export.parity_images must be >= 1, got {cfg.parity_images}")
-    if cfg.parity_limit is not None and cfg.parity_limit < 1:
-        raise PipelineError(f"export.parity_limit must be >= 1 or null, got {cfg.parity_limit}")
+    for key in ("parity_limit", "baseline_parity_limit"):
+        if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
+            raise PipelineError(f"export.{key} must be >= 1 or null, got {getattr(cfg, key)}")
+    for key in ("trt_max_batch", "trt_opt_length"):
+        if getattr(cfg, key) < 1:
+            raise PipelineError(f"export.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.drafter not in spec.KINDS:
         raise PipelineError(f"export.drafter: unknown {cfg.drafter!r}; known: {', '.join(spec.KINDS)}")
     for key in ("draft_len", "draft_images", "ngram_order", "ngram_min_count", "student_min_match"):

@@ -24,6 +24,7 @@ import torch
 
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext
+from pipeline.data.corpus import check_splits
 from pipeline.data.render import render_inputs
 from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
@@ -129,7 +130,8 @@ def validate(cfg: PruneConfig) -> None:
     if cfg.min_heads_per_layer < 1:
         raise PipelineError(f"prune.min_heads_per_layer must be at least 1 (a layer without heads is not "
                             f"attention any more), got {cfg.min_heads_per_layer}")
-    for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "iterations", "latency_images"):
+    for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "finetune_images", "iterations",
+                "latency_images"):
         if getattr(cfg, key) < (0 if key == "latency_images" else 1):
             raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
     if cfg.refit_varied < 0 or cfg.finetune_varied < 0:
@@ -158,6 +160,7 @@ def validate(cfg: PruneConfig) -> None:
         raise PipelineError(f"prune.eval_limit must be positive, got {cfg.eval_limit}")
     if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
         raise PipelineError(f"prune.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
+    check_splits("prune.eval_splits", cfg.eval_splits)
     if cfg.name is not None and not re.fullmatch(r"[A-Za-z0-9_.,=+-]+", cfg.name):
         raise PipelineError(f"prune.name must be a plain folder name, got {cfg.name!r}")
 

@@ -36,6 +36,7 @@ import onnx
 from calibration import sensitivity
 from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set
 from pipeline.context import StageContext, file_hash
+from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError, optional_part
 from pipeline.names import QDQ_ENCODER, QDQ_ENCODER_ORT, QUANTIZE_ORIGINAL
 from pipeline.quantization import prepare, qdq, report
@@ -157,6 +158,9 @@ def validate(cfg: QuantizeConfig) -> None:
                             f"got {cfg.ort_cpu_activations!r}")
     if not cfg.eval_splits or len(set(cfg.eval_splits)) != len(cfg.eval_splits):
         raise PipelineError(f"quantize.eval_splits must name at least one split, each once, got {list(cfg.eval_splits)}")
+    check_splits("quantize.eval_splits", cfg.eval_splits)
+    if cfg.search_split is not None:
+        check_splits("quantize.search_split", cfg.search_split)
     if cfg.search_split is not None and cfg.search_split in cfg.eval_splits:
         raise PipelineError(f"quantize.search_split={cfg.search_split} is one of quantize.eval_splits: the check would "
                             f"read the formulas the plan was chosen on (search on train or calib)")

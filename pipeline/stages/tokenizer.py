@@ -20,6 +20,7 @@ from typing import List, Optional
 from pipeline import files
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
+from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError
 from pipeline.tokenization import compare, curve
 from pipeline.tokenization.atoms import normalize_formula, renderer_commands
@@ -93,6 +94,10 @@ def load_formulas(cfg: TokenizerConfig, ctx: StageContext) -> tuple[dict, dict]:
 def validate(cfg: TokenizerConfig) -> None:
     if cfg.vocab_size < len(SPECIALS) + 1:
         raise PipelineError(f"tokenizer.vocab_size must be positive and hold the special tokens, got {cfg.vocab_size}")
+    for key, split, own_file in (("split", cfg.split, cfg.corpus), ("eval_split", cfg.eval_split, cfg.eval_formulas),
+                                 ("shift_split", cfg.shift_split, cfg.shift_formulas)):
+        if split is not None and not own_file:
+            check_splits(f"tokenizer.{key}", split)
     if cfg.split == "shift" and not cfg.corpus:
         raise PipelineError("tokenizer.split=shift: the shift split is for measuring only, never for training")
     if cfg.min_formulas < 1:
