@@ -28,9 +28,9 @@ bound saves against the ngram drafter.
     python benchmarks/speculative.py ... --train 1779 --calib 597 --varied 0 1000 3000 --ship-calib \
         --cache /tmp/readings.json     (more readings to draft from: the varied grammar's, the calib split's)
 
-``--time N`` times the real loops on N formulas of calib and of each checked split (the package's sessions, batch 1): plain greedy, the best
-ngram setting, and a perfect drafter that proposes the package's own greedy reading: the most any drafter can
-save on this machine, measured.
+``--time N`` times the real loops on N formulas of calib and of each checked split (the package's sessions,
+batch 1): plain greedy, the best ngram setting, and a perfect drafter that proposes the package's own greedy
+reading: the most any drafter can save on this machine, measured.
 
 ``--varied N``: tables built from the train readings plus the package's readings of N formulas of the varied
 grammar (``pipeline/data/templates.py``), judged on calib like any setting; ``--ship-calib``: the checks also
@@ -122,26 +122,22 @@ def timed(package: OnnxPackage, images: np.ndarray, drafter, draft_len: int, max
     loops, timed: plain greedy on the step graph, speculative with ``drafter`` and speculative with a perfect
     drafter (it proposes the package's own greedy reading of the image: what no drafter can beat), in
     rotating order ``repeats`` times over ``images`` (batch 1, the package's threads). Also the calls a formula."""
-    from pipeline.decoding import cached_greedy
-
     guard = package.layout_guard(package._vocab()) if package.layout_run_cap else None
     memories = [package.encode(images[i:i + 1]) for i in range(images.shape[0])]
-    readings = [cached_greedy(lambda ids, m=m: package.first(ids, m), package.step, 1, package.bos, package.eos,
-                              package.banned, max_length, guard)[0] for m in memories]
+    readings = [package._greedy(m, max_length)[0] for m in memories]
     shown: list[list[int]] = [[]]
 
     def perfect(ids, k, at_least=0):
         return shown[0][len(ids) - 1:len(ids) - 1 + k]
 
     def decode(how: str, memory: np.ndarray, reading: list[int], stats: SpeculativeStats) -> None:
-        first = lambda ids: package.first(ids, memory)  # noqa: E731
-        if how == "greedy":
-            stats.calls += len(cached_greedy(first, package.step, 1, package.bos, package.eos, package.banned,
-                                             max_length, guard)[0])
+        if how == "greedy":  # a call a token written
+            stats.calls += len(package._greedy(memory, max_length)[0])
             return
         shown[0] = reading
-        speculative_greedy(first, package.verify, perfect if how == "perfect" else drafter.propose, package.bos,
-                           package.eos, package.banned, max_length, draft_len, guard, stats, package.free_drafts)
+        propose = perfect if how == "perfect" else drafter.propose
+        speculative_greedy(lambda ids: package.first(ids, memory), package.verify, propose, package.bos, package.eos,
+                           package.banned, max_length, draft_len, guard, stats, package.free_drafts)
 
     hows = ("greedy", "drafter", "perfect")
     ms = {h: [] for h in hows}
@@ -157,8 +153,8 @@ def timed(package: OnnxPackage, images: np.ndarray, drafter, draft_len: int, max
     out = {"n": len(memories), "repeats": repeats}
     for how in hows:
         mean = float(np.mean(ms[how]))
-        out[how] = {"decoder_ms": mean, "ms_ratio": float(np.mean(ms["greedy"])) / mean, "calls_per_formula": calls[how],
-                    "calls_ratio": calls["greedy"] / calls[how]}
+        out[how] = {"decoder_ms": mean, "ms_ratio": float(np.mean(ms["greedy"])) / mean,
+                    "calls_per_formula": calls[how], "calls_ratio": calls["greedy"] / calls[how]}
     return out
 
 
@@ -192,8 +188,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=None,
                     help="a JSON file the readings are kept in (by split and formula), reused by the next run")
     ap.add_argument("--time", type=int, default=0, metavar="N",
-                    help="also time the real loops on N formulas of calib and of each --check split: plain greedy, the best ngram setting and a "
-                         "perfect drafter (the package's own reading: the most any drafter can save on this machine)")
+                    help="also time the real loops on N formulas of calib and of each --check split: plain greedy, "
+                         "the best ngram setting and a perfect drafter (the package's own reading: the most any "
+                         "drafter can save on this machine)")
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None, help="the table as JSON")
     args = ap.parse_args(argv)

@@ -39,26 +39,6 @@ MIN_SIZE, MAX_SIZE = 32, 4096
 # the data group's kinds (conf/data/*.yaml): the corpus, a folder of images, a saved HF dataset
 KINDS = ("corpus", "image_folder", "hf_disk")
 
-
-def check_source(data) -> None:
-    """The ``data`` group as a config, before any stage's work (calibrate opens it after prune's minutes
-    under ``stage=all``): a known kind, and for a folder of images or a saved dataset a ``data.path`` that
-    exists (and ``data.labels``, when named, a file). Reads no file."""
-    from omegaconf import OmegaConf
-
-    from pipeline.errors import ConfigError
-
-    kind = str(data.kind)
-    if kind not in KINDS:
-        raise ConfigError(f"data.kind {kind!r} unknown; known: {', '.join(KINDS)}")
-    if kind == "corpus":
-        return
-    if OmegaConf.is_missing(data, "path") or not data.get("path"):
-        raise ConfigError(f"data.path is required for data={kind}")
-    if not Path(str(data.path)).exists():
-        raise ConfigError(f"data.path: {data.path} does not exist")
-    if kind == "image_folder" and data.get("labels") and not Path(str(data.labels)).is_file():
-        raise ConfigError(f"data.labels: no such file {data.labels}")
 # one suffix list and one set of decode errors for every stage (pipeline/files.py)
 DECODE_ERRORS = FILE_DECODE_ERRORS + (ImageError,)
 
@@ -210,6 +190,27 @@ def render_many(latexes: Sequence[str], workers: int = 0, progress: bool = True,
 
 
 # ---- sources ----------------------------------------------------------------------------------
+def check_source(data) -> None:
+    """The ``data`` group as a config, before any stage's work (calibrate opens it after prune's minutes
+    under ``stage=all``): a known kind, and for a folder of images or a saved dataset a ``data.path`` that
+    exists (and ``data.labels``, when named, a file). Reads no file."""
+    from omegaconf import OmegaConf
+
+    from pipeline.errors import ConfigError
+
+    kind = str(data.kind)
+    if kind not in KINDS:
+        raise ConfigError(f"data.kind {kind!r} unknown; known: {', '.join(KINDS)}")
+    if kind == "corpus":
+        return
+    if OmegaConf.is_missing(data, "path") or not data.get("path"):
+        raise ConfigError(f"data.path is required for data={kind}")
+    if not Path(str(data.path)).exists():
+        raise ConfigError(f"data.path: {data.path} does not exist")
+    if kind == "image_folder" and data.get("labels") and not Path(str(data.labels)).is_file():
+        raise ConfigError(f"data.labels: no such file {data.labels}")
+
+
 Preprocess = Callable[[Image.Image], "object"]
 
 

@@ -38,6 +38,8 @@ def check_splits(key: str, names) -> None:
     if unknown:
         raise PipelineError(f"{key}: unknown split(s) {', '.join(map(repr, unknown))}; known: "
                             f"{', '.join((*SPLITS, SHIFT))}")
+
+
 _ROLE = re.compile(r":math:`([^`]+)`")
 _DIRECTIVE = re.compile(r"^([ \t]*)\.\. math::[ \t]*(.*)$", re.M)
 # docutils also reads ``.. math ::`` (one space before the colons), mpmath's spelling. The corpus is

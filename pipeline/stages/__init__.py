@@ -56,4 +56,3 @@ def check_data_group(stage: str, kind: str) -> None:
            "export": "export.formulas=FILE", "benchmark": "benchmark.formulas=FILE"}.get(stage)
     raise ConfigError(f"data={kind}: stage {stage} does not read the data group (only "
                       f"{', '.join(DATA_STAGES)} do){'; use ' + own if own else ''}")
-
