@@ -143,8 +143,9 @@ def _task(cfg: DictConfig) -> None:
     """The one place an expected failure becomes ``error: <message>`` and exit code 2."""
     interrupts.install()  # a kill (SIGTERM: a scheduler, a timeout) unwinds like Ctrl-C
     try:
-        run_stages(cfg)
-        interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
+        with interrupts.raising():  # Hydra's start-up recorded a signal at most (_main): it raises here
+            run_stages(cfg)
+            interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
     except PipelineError as exc:
         interrupts.finished()
         fail(str(exc))
@@ -237,7 +238,11 @@ def _main() -> None:
         _prevalidate(args)
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     try:
-        hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+        # a signal inside Hydra's own start-up (composing the config again, setting up its logging) would
+        # raise there, and Hydra prints the traceback before it exits: there it is only recorded, and the
+        # run (_task) raises it as it starts
+        with interrupts.recorded():
+            hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
     except SystemExit as exc:
         # Hydra turns an exception in its own start-up (composing the config) into exit code 1; when
         # a signal caused it, the run ends like any interrupted run

@@ -128,6 +128,20 @@ def recorded() -> Iterator[None]:
         _publishing = before
 
 
+@contextlib.contextmanager
+def raising() -> Iterator[None]:
+    """Inside an enclosing :func:`recorded` block, a signal raises again (the run proper, called back from
+    a framework's start-up that had to be shielded); one recorded before the block is raised at its start."""
+    global _publishing
+    before = _publishing
+    _publishing = False
+    try:
+        check()
+        yield
+    finally:
+        _publishing = before
+
+
 def worker_init() -> None:
     """Process-pool workers: the parent alone handles Ctrl-C (the whole process group gets it) and a
     SIGTERM from the pool's own terminate() ends a worker silently, never with a traceback."""

@@ -12,6 +12,7 @@ import signal
 import struct
 import subprocess
 import sys
+import textwrap
 import time
 import zlib
 from pathlib import Path
@@ -317,6 +318,38 @@ def test_a_signal_a_native_call_turned_into_its_own_error_is_one_line(monkeypatc
     finally:
         interrupts.reset()
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
+    """A signal while Hydra composes the run's config (after the command line's own check composed it
+    once) is recorded, and the run raises it as it starts: one line, exit 2, no Hydra traceback. Seen in
+    CI: a SIGINT half a run in landed there on a loaded machine, OmegaConf turned it into its own error,
+    and Hydra printed that error's traceback before the run's line."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        import hydra._internal.hydra as internal
+        from pipeline.__main__ import main
+        compose, calls = internal.Hydra.compose_config, []
+
+        def signalled(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # the first is the command line's check, the second Hydra's own
+                try:  # OmegaConf turns the handler's KeyboardInterrupt into an error of its own (seen in CI)
+                    os.kill(os.getpid(), signal.SIGINT)
+                except KeyboardInterrupt as exc:
+                    raise ValueError("object_type=RuntimeConf") from exc
+            return compose(self, *args, **kwargs)
+
+        internal.Hydra.compose_config = signalled
+        sys.argv = ["pipeline", "stage=evaluate", "eval.limit=1", "artifacts.dir={tmp_path / 'a'}"]
+        main()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "Agg"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT); previous artifacts left as they were"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "a" / "evaluate").exists()
 
 
 def test_a_signal_during_the_swap_is_deferred_until_the_swap_is_done(tmp_path):
