@@ -143,9 +143,8 @@ def _task(cfg: DictConfig) -> None:
     """The one place an expected failure becomes ``error: <message>`` and exit code 2."""
     interrupts.install()  # a kill (SIGTERM: a scheduler, a timeout) unwinds like Ctrl-C
     try:
-        with interrupts.raising():  # Hydra's start-up recorded a signal at most (_main): it raises here
-            run_stages(cfg)
-            interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
+        run_stages(cfg)
+        interrupts.check()  # a signal a native callback swallowed: the run still ends as interrupted
     except PipelineError as exc:
         interrupts.finished()
         fail(str(exc))
@@ -238,11 +237,12 @@ def _main() -> None:
         _prevalidate(args)
     os.environ.setdefault("HYDRA_FULL_ERROR", "0")
     try:
-        # a signal inside Hydra's own start-up (composing the config again, setting up its logging) would
-        # raise there, and Hydra prints the traceback before it exits: there it is only recorded, and the
-        # run (_task) raises it as it starts
+        # a signal inside Hydra's own start-up (composing the config again) would become OmegaConf's error
+        # and Hydra would print its traceback: until the run or the sweep starts (the callback
+        # pipeline.hydra_hooks.StartUpOver) a signal is only recorded, then raised; --cfg and --help start neither
         with interrupts.recorded():
             hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+        interrupts.check()
     except SystemExit as exc:
         # Hydra turns an exception in its own start-up (composing the config) into exit code 1; when
         # a signal caused it, the run ends like any interrupted run

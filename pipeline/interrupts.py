@@ -128,18 +128,13 @@ def recorded() -> Iterator[None]:
         _publishing = before
 
 
-@contextlib.contextmanager
-def raising() -> Iterator[None]:
-    """Inside an enclosing :func:`recorded` block, a signal raises again (the run proper, called back from
-    a framework's start-up that had to be shielded); one recorded before the block is raised at its start."""
+def start_up_over() -> None:
+    """Hydra's own start-up, which ``_main`` runs inside :func:`recorded`, is over (the run or the sweep
+    starts: :class:`pipeline.hydra_hooks.StartUpOver`): a signal raises again, one recorded during it now."""
     global _publishing
-    before = _publishing
     _publishing = False
-    try:
-        check()
-        yield
-    finally:
-        _publishing = before
+    if _received:  # Hydra turns an exception from a callback into a warning; KeyboardInterrupt passes
+        raise KeyboardInterrupt
 
 
 def worker_init() -> None:

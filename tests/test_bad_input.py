@@ -322,7 +322,8 @@ def test_a_signal_a_native_call_turned_into_its_own_error_is_one_line(monkeypatc
 
 def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
     """A signal while Hydra composes the run's config (after the command line's own check composed it
-    once) is recorded, and the run raises it as it starts: one line, exit 2, no Hydra traceback. Seen in
+    once) is recorded, and raised as the run starts (pipeline.hydra_hooks): one line, exit 2, no Hydra
+    traceback. Seen in
     CI: a SIGINT half a run in landed there on a loaded machine, OmegaConf turned it into its own error,
     and Hydra printed that error's traceback before the run's line."""
     script = textwrap.dedent(f"""
@@ -350,6 +351,34 @@ def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT); previous artifacts left as they were"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "a" / "evaluate").exists()
+
+
+def test_a_sweeps_parent_waiting_on_its_jobs_ends_at_a_signal_in_one_line(tmp_path):
+    """Hydra's start-up is shielded (above), the sweep is not: a SIGTERM to a multirun's parent while the
+    joblib launcher waits on its jobs ends the sweep there, in one line, exit 2 (it once waited for every
+    job and exited 0). Here the launcher's joblib call signals its own process, then waits for its jobs."""
+    marker = tmp_path / "waited"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        import joblib
+        from pipeline.__main__ import main
+
+        def run_jobs(self, jobs):  # the joblib launcher's Parallel(...)(jobs): signalled while its jobs run
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(20)
+            open({str(marker)!r}, "w").close()
+            return []
+
+        joblib.Parallel.__call__ = run_jobs
+        sys.argv = ["pipeline", "-m", "stage=evaluate", "eval.limit=1,2", "artifacts.dir={tmp_path / 'a'}"]
+        main()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "Agg"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: interrupted (SIGTERM); previous artifacts left as they were"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()  # the wait was cut, not sat out
 
 
 def test_a_signal_during_the_swap_is_deferred_until_the_swap_is_done(tmp_path):
