@@ -320,12 +320,22 @@ def test_a_signal_a_native_call_turned_into_its_own_error_is_one_line(monkeypatc
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def ends_interrupted(script: str, signal_name: str) -> None:
+    """``python -c script`` (it calls ``pipeline.__main__.main``) ends as an interrupted run: exit 2, its last
+    line the interrupted one, no traceback."""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "Agg"})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: interrupted ({signal_name}); previous artifacts left as they were", proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
     """A signal while Hydra composes the run's config (after the command line's own check composed it
     once) is recorded, and raised as the run starts (pipeline.hydra_hooks): one line, exit 2, no Hydra
-    traceback. Seen in
-    CI: a SIGINT half a run in landed there on a loaded machine, OmegaConf turned it into its own error,
-    and Hydra printed that error's traceback before the run's line."""
+    traceback. Seen in CI: a SIGINT half a run in landed there on a loaded machine, OmegaConf turned it into
+    its own error, and Hydra printed that error's traceback before the run's line."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         import hydra._internal.hydra as internal
@@ -345,11 +355,7 @@ def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
         sys.argv = ["pipeline", "stage=evaluate", "eval.limit=1", "artifacts.dir={tmp_path / 'a'}"]
         main()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MPLBACKEND": "Agg"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == "error: interrupted (SIGINT); previous artifacts left as they were"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    ends_interrupted(script, "SIGINT")
     assert not (tmp_path / "a" / "evaluate").exists()
 
 
@@ -373,11 +379,7 @@ def test_a_sweeps_parent_waiting_on_its_jobs_ends_at_a_signal_in_one_line(tmp_pa
         sys.argv = ["pipeline", "-m", "stage=evaluate", "eval.limit=1,2", "artifacts.dir={tmp_path / 'a'}"]
         main()
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "MPLBACKEND": "Agg"})
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines()[-1] == "error: interrupted (SIGTERM); previous artifacts left as they were"
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    ends_interrupted(script, "SIGTERM")
     assert not marker.exists()  # the wait was cut, not sat out
 
 
