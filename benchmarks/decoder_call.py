@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.errors import PipelineError  # noqa: E402
-from pipeline.export.runtime import OnnxPackage  # noqa: E402
+from pipeline.export.runtime import OnnxPackage, session_options  # noqa: E402
 
 
 def start(package: OnnxPackage, past_len: int) -> tuple[list, list]:
@@ -41,11 +41,7 @@ def start(package: OnnxPackage, past_len: int) -> tuple[list, list]:
 
 
 def options(threads: int):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads, so.log_severity_level = threads, 1, 3
-    return so
+    return session_options(threads)
 
 
 def node_counts(path: Path, threads: int) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING, NoReturn
 
 import pipeline
-from pipeline import interrupts
+from pipeline import denormals, interrupts
 from pipeline.errors import Interrupted, PipelineError
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ def run_stages(cfg: DictConfig, ctx=None) -> dict:
     if cfg.stage not in STAGES and cfg.stage != "all":
         raise PipelineError(f"unknown stage {cfg.stage!r}; known: {', '.join(['all', *STAGES])}")
     check_config(cfg)
+    # before any torch op: torch's worker threads start with this thread's mode (pipeline/denormals.py)
+    denormals.set_thread(bool(cfg.model.flush_denormals))
     if cfg.model.threads:
         import torch
         torch.set_num_threads(int(cfg.model.threads))

@@ -42,6 +42,9 @@ class ModelConfig:
     # where torch computes (training, torch readings): auto = CUDA when torch sees it, else cpu | cpu |
     # cuda | cuda:N (pipeline/device.py); ONNX export and ONNX Runtime are not moved by it
     device: str = "auto"
+    # denormal floats flushed to zero in torch and in every ONNX Runtime session (exported packages record
+    # it): the same readings, and x86 no longer spends ~100x on the softmax tails (pipeline/denormals.py)
+    flush_denormals: bool = True
 
     def __post_init__(self) -> None:
         # the model's own ceiling (its position table) is checked when the model is loaded

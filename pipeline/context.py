@@ -236,9 +236,10 @@ class StageContext:
 
     def decoding_key(self) -> dict:
         """What of greedy decoding, besides ``max_length``, an artifact that decodes depends on: the
-        layout-run cap when on ({} when off, so artifacts from before the cap keep their keys)."""
+        layout-run cap when on ({} when off, so artifacts from before the cap keep their keys), and whether
+        denormals are flushed (the same readings, other timings; a package records it)."""
         cap = int(self.cfg.model.layout_run_cap)
-        return {"layout_run_cap": cap} if cap else {}
+        return {**({"layout_run_cap": cap} if cap else {}), "flush_denormals": bool(self.cfg.model.flush_denormals)}
 
     def model_tokenizer(self, ref: str = "original") -> tuple[Any, list[str]]:
         """The model's tokenizer and its output vocabulary (token strings in id order), from its

@@ -126,6 +126,9 @@ PACKAGE = {
     # with a drafter: a batch of several images decodes speculatively too, image by image (its target's
     # speculative_batches); absent (packages from before it): such a batch decodes in plain greedy steps
     "speculative_batches": Spec("bool", optional=True),
+    # ONNX Runtime session config entries the package is read with (denormals flushed, pools not spinning;
+    # pipeline/export/runtime.py: session_config); absent (packages from before it): the runtime's defaults
+    "session_config": Spec("dict", optional=True, items=Spec("str")),
 }
 
 # the fields every kind has; each kind's own fields are checked by pipeline/preprocessing.py's registry

@@ -77,6 +77,9 @@ class Package:
         if threads:
             so.intra_op_num_threads = threads
             so.inter_op_num_threads = 1
+        # the package's own session entries (denormals flushed, no spinning): a user's runtime reads them so
+        for key, value in self.meta.get("session_config", {}).items():
+            so.add_session_config_entry(key, value)
         so.log_severity_level = 3
         self.sessions = {g: ort.InferenceSession(str(folder / self.meta["graphs"][g]), so, providers=[PROVIDER])
                          for g in ("encoder", "decoder_first", "decoder_step")}

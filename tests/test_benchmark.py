@@ -497,3 +497,23 @@ def test_decoder_widths_script_times_verify_widths_and_step_batches(root, tmp_pa
                        (["--device", "cuda:7"], "no CUDA device")):
         bad = subprocess.run([*script, *args], capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and said in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
+
+
+def test_float_original_is_also_read_as_users_ran_it_before_denormals_were_flushed(root):
+    """model.flush_denormals (on): float-original twice, with the deployable's session options and with
+    ONNX Runtime's plain ones, so a ratio never mixes what compression did with what a flag did; the note
+    says whether the two read the same tokens."""
+    m = _run(root, f"+benchmark.packages.float-original={root / 'other-package'}", "benchmark.default_packages=false",
+             "benchmark.greedy_rows=false", "benchmark.memory=false", "benchmark.extra_splits=[]",
+             "benchmark.summary=false", "benchmark.name=plain")["metrics"]
+    by = {v["label"]: v for v in m["variants"]}
+    assert set(by) == {"torch tiny-model", "torch tiny-model + KV cache", "float-original",
+                       "float-original (plain ORT)"}
+    assert by["float-original (plain ORT)"]["location"] == by["float-original"]["location"]
+    note = next(n for n in m["notes"] if n.startswith("denormals flushed"))
+    assert "read 10 of 10 formulas token for token alike" in note
+    off = _run(root, f"+benchmark.packages.float-original={root / 'other-package'}", "benchmark.default_packages=false",
+               "benchmark.greedy_rows=false", "benchmark.memory=false", "benchmark.extra_splits=[]",
+               "benchmark.summary=false", "benchmark.name=plain-off", "model.flush_denormals=false",
+               "benchmark.samples=1", "benchmark.torch_limit=1", "benchmark.full_prefix_limit=1")["metrics"]
+    assert "float-original (plain ORT)" not in {v["label"] for v in off["variants"]}  # nothing to compare with

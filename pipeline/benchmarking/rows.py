@@ -28,6 +28,18 @@ def table(lineup: Lineup, adapter: ModelAdapter, reads: dict[str, dict], splits:
     return rows, notes
 
 
+def twin_note(reads: dict[str, dict], label: str, twin: str, what: str) -> Optional[str]:
+    """A note on whether two variants of one package (``twin``: the same with ``what`` off) read the same
+    tokens, formula for formula; None when either is absent."""
+    if label not in reads or twin not in reads:
+        return None
+    a, b = reads[label]["token_ids"], reads[twin]["token_ids"]
+    n = min(len(a), len(b))
+    same = sum(list(x) == list(y) for x, y in zip(a[:n], b[:n]))
+    return (f"{what}: `{label}` and `{twin}` read {same} of {n} formulas token for token alike"
+            + ("" if same == n else f" ({n - same} differ: near-ties rounded the other way)"))
+
+
 def subset_em(reading: dict, n: int) -> float:
     """Exact match of a reading on its first ``n`` formulas (where two readings overlap)."""
     return float(np.mean(reading["exact"][:n])) if n else 0.0

@@ -121,15 +121,19 @@ def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, fami
     return Variant(label, spec["kind"], ref, size, decode, spec)
 
 
-def package_variant(label: str, folder: Path, threads: int, speculative: bool = True) -> Variant:
-    """A package as a variant; ``speculative=False``: plain greedy even at batch 1 where it has a drafter."""
-    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider", speculative=speculative)
+def package_variant(label: str, folder: Path, threads: int, speculative: bool = True,
+                    flush_denormals: Optional[bool] = None) -> Variant:
+    """A package as a variant; ``speculative=False``: plain greedy even at batch 1 where it has a drafter;
+    ``flush_denormals`` False: ONNX Runtime's plain sessions, denormals computed (None: the package's own)."""
+    package = OnnxPackage(folder, threads=threads, provider="CPUExecutionProvider", speculative=speculative,
+                          flush_denormals=flush_denormals)
 
     def decode(images: np.ndarray, max_length: int, batch_size: int) -> DecodeResult:
         return package.generate(images, max_length=max_length, batch_size=batch_size)
 
     return Variant(label, PACKAGE, str(folder), dir_bytes(package_files(folder)), decode,
-                   {"kind": PACKAGE, "folder": str(folder), "speculative": speculative}, package)
+                   {"kind": PACKAGE, "folder": str(folder), "speculative": speculative,
+                    "flush_denormals": flush_denormals}, package)
 
 
 @dataclass
@@ -210,7 +214,8 @@ def package_model(folder: Path) -> Optional[str]:
 def rebuild(spec: dict[str, Any], threads: int) -> Callable[[np.ndarray, int, int], DecodeResult]:
     """The decode call of a variant from its ``spec``, in a fresh process (see :mod:`.memory`)."""
     if spec["kind"] == PACKAGE:
-        return package_variant("", Path(spec["folder"]), threads, bool(spec.get("speculative", True))).decode
+        return package_variant("", Path(spec["folder"]), threads, bool(spec.get("speculative", True)),
+                               spec.get("flush_denormals")).decode
     from pipeline.adapters.base import load_adapter
 
     adapter = load_adapter(spec["family"], spec["source"], trust_checkpoint=bool(spec["trust_checkpoint"]))

@@ -13,12 +13,15 @@ from pipeline.errors import PipelineError
 from pipeline.export.build import BuiltGraphs, decoder_shapes
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export.onnx_graphs import graph_io
-from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER
+from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER, session_config
 from pipeline.export.targets import Target
 
 
-def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int) -> dict[str, Any]:
-    """The files a deployment engineer ships; returns ``package.json``'s content."""
+def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int,
+                  flush_denormals: bool = True) -> dict[str, Any]:
+    """The files a deployment engineer ships; returns ``package.json``'s content. ``flush_denormals``
+    (model.flush_denormals): recorded in ``session_config``, the ONNX Runtime session entries a runtime
+    reads the package with."""
     shapes = decoder_shapes(adapter)
     nl = shapes["num_layers"]
     graphs = {}
@@ -44,6 +47,9 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py; 0 = none)
         "layout_run_cap": int(adapter.layout_run_cap),
+        # ONNX Runtime session config entries to read it with (MacaRT too): denormals flushed to zero
+        # (same readings, the encoder's softmax tails 100x cheaper on x86), pools that do not spin
+        "session_config": session_config(flush_denormals),
         "decoding": "greedy; decoder_first(BOS, memory) then decoder_step per token with the present K/V fed "
                     "back as past; pad and BOS logits set to -inf; stop at EOS or max_length tokens incl. BOS; "
                     "where layout_run_cap > 0, a token that would make the reading end in more than that many "

@@ -5,6 +5,7 @@ No torch model and no model weights are loaded here: everything comes from the p
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -12,7 +13,7 @@ from typing import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pipeline import drafting, interrupts, schema
+from pipeline import denormals, drafting, interrupts, schema
 from pipeline.adapters.base import DecodeResult
 from pipeline.decoding import (LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
                                speculative_greedy)
@@ -20,9 +21,37 @@ from pipeline.errors import PipelineError
 from pipeline.preprocessing import preprocess
 from pipeline.schema import load_json
 
+log = logging.getLogger(__name__)
+
 PACKAGE_META = "package.json"
 PREPROCESS = "preprocess.json"
 TOKENIZER = "tokenizer.json"
+
+NO_SPINNING = "session.intra_op.allow_spinning"
+
+
+def session_config(flush_denormals: bool = True) -> dict[str, str]:
+    """The ONNX Runtime session config entries a package records (``package.json: session_config``) and
+    every session of this project uses: denormals flushed to zero (:mod:`pipeline.denormals`) unless
+    ``model.flush_denormals=false``, and pools that do not spin between calls (a package runs its sessions
+    in turn, each with a pool of its own; a spinning pool takes the cores the next session needs: 2 cores,
+    ORT's default threads, batch 1: 115 ms a formula end to end spinning, 55 not; docs/export.md)."""
+    return {denormals.SESSION_ENTRY: "1" if flush_denormals else "0", NO_SPINNING: "0"}
+
+
+def session_options(threads: int = 0, config: dict[str, str] | None = None):
+    """ONNX Runtime session options: ``threads`` intra-op threads (0: ORT's default) and ``config``'s
+    entries (default :func:`session_config`)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = int(threads)
+        so.inter_op_num_threads = 1
+    for key, value in (session_config() if config is None else config).items():
+        so.add_session_config_entry(key, str(value))
+    so.log_severity_level = 3
+    return so
 
 
 def preprocess_image(image: Image.Image, spec: dict) -> np.ndarray:
@@ -109,7 +138,8 @@ class OnnxPackage:
     image by image speculatively where the package's target says so (:attr:`speculative_batches`: a
     CPU's), else in plain greedy steps (rows would accept drafts of different lengths)."""
 
-    def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True):
+    def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True,
+                 flush_denormals: bool | None = None):
         import onnxruntime as ort
 
         self.folder = Path(folder)
@@ -128,15 +158,14 @@ class OnnxPackage:
         options = self.meta.get("provider_options") or {}
         providers = ["CPUExecutionProvider"] if self.provider == "CPUExecutionProvider" \
             else [(self.provider, {k: str(v) for k, v in options.items()}), "CPUExecutionProvider"]
-        so = ort.SessionOptions()
-        if threads:
-            so.intra_op_num_threads = int(threads)
-            so.inter_op_num_threads = 1
-        # a package runs its sessions in turn (encoder, then one decoder call after another), each with a
-        # thread pool of its own; a pool that spins after its call takes the cores the next session needs
-        # (2 cores, ORT's default threads, batch 1: 115 ms a formula end to end spinning, 55 not; docs/export.md)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.log_severity_level = 3
+        # the package's session config (packages from before it was recorded: this runtime's defaults);
+        # flush_denormals overrides its denormal entry (the benchmark's plain row: what users ran before)
+        config = {**session_config(), **(self.meta.get("session_config") or {})}
+        if flush_denormals is not None:
+            config[denormals.SESSION_ENTRY] = "1" if flush_denormals else "0"
+        self.flush_denormals = config[denormals.SESSION_ENTRY] == "1"
+        self._mode_warned = False
+        so = session_options(threads, config)
         self._session_args = (so, providers)
         self.sessions = {}
         for graph in ("encoder", "decoder_first", "decoder_step"):
@@ -306,6 +335,17 @@ class OnnxPackage:
 
     def _decode(self, images: np.ndarray, max_length: int, batch_size: int,
                 progress: Callable[[int], None] | None, how: str) -> DecodeResult:
+        """The reading in the package's denormal mode on the calling thread, whichever it is (a session sets
+        only the thread that created it: a serving worker or an actor may read on another)."""
+        with denormals.thread_mode(self.flush_denormals) as done:
+            if not done and not self._mode_warned:
+                self._mode_warned = True
+                log.warning(f"package {self.folder}: this thread flushes denormals and cannot be set back without "
+                            f"torch; it reads with them flushed")
+            return self._decode_batches(images, max_length, batch_size, progress, how)
+
+    def _decode_batches(self, images: np.ndarray, max_length: int, batch_size: int,
+                        progress: Callable[[int], None] | None, how: str) -> DecodeResult:
         all_ids: list[list[int]] = []
         calls: list[int] = []
         enc_s = dec_s = 0.0

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from calibration import sensitivity
 from pipeline.errors import PipelineError
+from pipeline.export.runtime import session_options
 from pipeline.names import INT8_DECODERS as DECODERS, QDQ_ENCODER_ORT
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.graphs import FloatGraphs
@@ -81,9 +82,7 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
             raise PipelineError(f"quantize.plan: {len(unknown)} decoder node(s) not in this model's decoder_step "
                                 f"graph: {', '.join(unknown[:5])}")
     else:
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads or 0
-        so.log_severity_level = 3
+        so = session_options(threads or 0)
         feeds = qdec.StepFeeds(graphs.open_package(threads), sens_images, max_length)
         ref = feeds.logits(ort.InferenceSession(str(mm["decoder_step"]), so, providers=["CPUExecutionProvider"]))
         snr = sensitivity.SNR()

@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PACKAGES = {"deployable": DEPLOYABLE, "float-original": FLOAT_BASELINE, "float-chain": FLOAT_CHAIN,
                     "int8-original": INT8_ORIGINAL}
 SHARED_PACKAGES = ("float-original",)
-BASELINE_LABEL = "float-original"  # the speculative check times it in the same turn (what a user has today)
+BASELINE_LABEL = "float-original"  # the speculative check times it in the same turn (the deployable's session options)
+# the same package as users ran it before this project flushed denormals: ONNX Runtime's plain sessions
+PLAIN_BASELINE_LABEL = "float-original (plain ORT)"
 # the comparison rows stage=all leaves out, and what makes them (preset=thorough sets both)
 COMPARISONS = {"float-chain": "export.chain_baseline=true", "int8-original": "quantize.original=true"}
 
@@ -81,6 +83,8 @@ class BenchmarkConfig:
     speculative_limit: Optional[int] = None  # formulas per split of the speculative check (batch 1: identical to
                                      # greedy? decoder calls and ms; end-to-end ms against the float-original
                                      # package read in the same turn); null = every formula of each split
+    plain_baseline: bool = True      # float-original also as users ran it before (ONNX Runtime's plain sessions,
+                                     # denormals not flushed): "float-original (plain ORT)"
     summary: bool = True             # write <artifacts>/summary.md and summary.json
     name: Optional[str] = None       # artifact folder; default "benchmark" (+ the job's tag in a multirun)
 
@@ -188,6 +192,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     if spec:
         phases.lap("speculative check")
     notes += _limit_notes(lineup, main)
+    notes += [n for n in [rows.twin_note(main.reads, BASELINE_LABEL, PLAIN_BASELINE_LABEL,
+                                         "denormals flushed to zero (model.flush_denormals)")] if n]
     latency = _latency(cfg, ctx, lineup, images, max_length, notes)
     phases.lap("latency")
     serving = _serving(cfg, lineup, images, max_length, notes)
@@ -222,6 +228,10 @@ def _lineup(cfg: BenchmarkConfig, ctx: StageContext, adapter: ModelAdapter, fold
     else:
         notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
     variants += [package_variant(label, f, int(cfg.threads)) for label, f in folders.items()]
+    if BASELINE_LABEL in folders and cfg.plain_baseline and ctx.cfg.model.flush_denormals:
+        # what a flag did, apart from what compression did: float-original twice, with and without it
+        variants.append(package_variant(PLAIN_BASELINE_LABEL, folders[BASELINE_LABEL], int(cfg.threads),
+                                        flush_denormals=False))
     if cfg.greedy_rows:
         return with_greedy_twins(variants, int(cfg.threads))
     fast = [v.label for v in variants if v.package is not None and v.package.speculative]

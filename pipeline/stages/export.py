@@ -300,7 +300,7 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
             shown = "; ".join(str(v) for v in built.violations[:5])
             more = f" (+{len(built.violations) - 5} more)" if len(built.violations) > 5 else ""
             raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
-        meta = write_package(out.path, adapter, built, target, max_length)
+        meta = write_package(out.path, adapter, built, target, max_length, bool(mcfg.flush_denormals))
 
         # parity on ONNX Runtime CPU, the reference runtime for every target
         package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")

@@ -1,0 +1,113 @@
+"""Denormals flushed to zero: per thread, set by the package on the thread that reads, recorded in the
+package, the same readings (pipeline/denormals.py)."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from omegaconf import OmegaConf
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+
+from pipeline import denormals
+
+
+def _export(root, *overrides: str):
+    """The tiny model's ort_cpu package under ``root`` (export-ort_cpu)."""
+    from pipeline.stages import export
+
+    build_tiny().save(root / "tiny-model")
+    (root / "formulas.txt").write_text("\n".join(FORMULAS[:4]) + "\n")
+    ctx = fake_ctx(root, [f"export.model={root / 'tiny-model'}", "export.quantized=none",
+                          f"export.formulas={root / 'formulas.txt'}", "model.max_length=8", "export.parity_images=1",
+                          "export.parity_limit=1", "export.min_identical=0", "export.drafter=none", *overrides])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    return root / "export-ort_cpu"
+
+
+@pytest.fixture(scope="module")
+def ort_pkg(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("denormals"))
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    before = denormals.flushing()
+    yield
+    torch.set_flush_denormal(before)
+
+
+def test_the_mode_is_the_threads_and_a_block_gives_it_back():
+    torch.set_flush_denormal(False)
+    assert not denormals.flushing()
+    with denormals.thread_mode(True) as done:
+        assert done and denormals.flushing()
+        tiny = np.array([1e-40], np.float32)
+        assert (tiny * np.float32(1))[0] == 0  # read as zero while flushed
+    assert not denormals.flushing()
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((denormals.set_thread(True), denormals.flushing())))
+    worker.start()
+    worker.join()
+    assert seen == [(True, True)] and not denormals.flushing()  # another thread's mode is its own
+
+
+def test_onnx_runtime_alone_can_set_a_thread(monkeypatch):
+    """Without torch (MacaRT's and Triton's environments) a one-node session sets the thread."""
+    import sys
+
+    torch.set_flush_denormal(False)
+    monkeypatch.delitem(sys.modules, "torch")
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((denormals.set_thread(True), denormals.flushing())))
+    worker.start()
+    worker.join()
+    assert seen == [(True, True)]
+
+
+class _Watched:
+    """A session whose calls record whether the calling thread flushed denormals."""
+
+    def __init__(self, session, seen: list):
+        self.session, self.seen = session, seen
+
+    def run(self, *args, **kwargs):
+        self.seen.append(denormals.flushing())
+        return self.session.run(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_a_package_records_its_session_config_and_reads_in_its_mode_on_any_thread(ort_pkg):
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+
+    meta = json.loads((ort_pkg / "package.json").read_text())
+    assert meta["session_config"] == {"session.set_denormal_as_zero": "1", "session.intra_op.allow_spinning": "0"}
+    flushed, plain = OnnxPackage(ort_pkg, threads=1), OnnxPackage(ort_pkg, threads=1, flush_denormals=False)
+    for package, entry in ((flushed, "1"), (plain, "0")):
+        for graph, session in package.sessions.items():
+            assert session.get_session_options().get_session_config_entry(denormals.SESSION_ENTRY) == entry, graph
+    images = np.stack([flushed.preprocess(render_formula(f)) for f in (r"\frac{a}{b}", r"x^{2}+y")]).astype(np.float32)
+    seen: dict[str, list] = {"flushed": [], "plain": []}
+    for name, package in (("flushed", flushed), ("plain", plain)):
+        package.sessions["encoder"] = _Watched(package.sessions["encoder"], seen[name])
+    torch.set_flush_denormal(False)
+    results = {}
+    worker = threading.Thread(target=lambda: results.update(flushed=flushed.generate(images, 8, 2)))
+    worker.start()  # a thread that never created a session: the package sets it
+    worker.join()
+    torch.set_flush_denormal(True)
+    results["plain"] = plain.generate(images, 8, 2)  # on a flushing thread: the plain package clears it
+    assert seen == {"flushed": [True], "plain": [False]}
+    assert denormals.flushing()  # and gives the thread its mode back
+    assert results["flushed"].token_ids == results["plain"].token_ids
+
+
+def test_model_flush_denormals_false_is_recorded_in_the_package(tmp_path):
+    meta = json.loads((_export(tmp_path, "model.flush_denormals=false") / "package.json").read_text())
+    assert meta["session_config"][denormals.SESSION_ENTRY] == "0"
