@@ -129,6 +129,8 @@ PACKAGE = {
     # ONNX Runtime session config entries the package is read with (denormals flushed, pools not spinning;
     # pipeline/export/runtime.py: session_config); absent (packages from before it): the runtime's defaults
     "session_config": Spec("dict", optional=True, items=Spec("str")),
+    # the encoder reads only the patch tokens this policy keeps (pipeline/tokens/policy.py); absent: all
+    "token_policy": Spec("dict", optional=True),
 }
 
 # the fields every kind has; each kind's own fields are checked by pipeline/preprocessing.py's registry

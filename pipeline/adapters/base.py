@@ -221,6 +221,41 @@ class ModelAdapter(abc.ABC):
     def banned_token_ids(self) -> list[int]:
         return [self.pad_id, self.bos_id]
 
+    # which patch tokens the encoder reads (pipeline/tokens/policy.py); None: all. Set on a model that was
+    # recovered to read with it (stage prune, prune.tokens), saved with it, exported into its package
+    token_policy: Any = None
+
+    def token_grid(self) -> tuple[int, int, int] | None:
+        """Rows, columns and pixel size of the patch grid whose tokens a policy may drop, or None when the
+        family's encoder cannot read a subset (the reason: :meth:`token_policy_refusal`)."""
+        return None
+
+    def token_policy_refusal(self) -> str:
+        """Why this family cannot read a subset of its tokens (one line)."""
+        return f"model family {self.family!r} has no way to read a subset of its patch tokens"
+
+    def set_token_policy(self, settings: dict | None) -> None:
+        """Read only the tokens :class:`~pipeline.tokens.policy.TokenPolicy` keeps (``settings``: its
+        dilate / frame_stride / buckets / ink_below; None: every token again)."""
+        from pipeline.tokens.policy import for_grid
+
+        if settings is None:
+            self.token_policy = None
+            return
+        grid = self.token_grid()
+        if grid is None:
+            raise PipelineError(self.token_policy_refusal())
+        self.token_policy = for_grid(*grid, settings)
+
+    def encode_kept(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Images [B, C, H, W] and kept patch indices [B, K] -> memory [B, K, D] (families with a token grid)."""
+        raise NotImplementedError(self.token_policy_refusal())
+
+    def keep_indices(self, images: torch.Tensor) -> torch.Tensor:
+        """[B, K] kept patch indices of ``images`` under the model's token policy (host-side numpy)."""
+        keep = self.token_policy.keep_batch(images.detach().float().cpu().numpy())
+        return torch.from_numpy(keep).to(images.device)
+
     # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py); 0 = none. The
     # context sets it from model.layout_run_cap when it loads a model; export writes it to the package
     layout_run_cap: int = 0
@@ -353,15 +388,17 @@ class ModelAdapter(abc.ABC):
 
 
 class EncoderModule(nn.Module):
-    """``owner.encode`` as an ``nn.Module`` holding ``owner.model`` (any object with both)."""
+    """``owner.encode`` as an ``nn.Module`` holding ``owner.model`` (any object with both); with ``keep``
+    (kept patch indices [B, K]), ``owner.encode_kept``."""
 
     def __init__(self, owner: Any) -> None:
         super().__init__()
         self.model = owner.model
         self._encode = owner.encode
+        self._encode_kept = getattr(owner, "encode_kept", None)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self._encode(images)
+    def forward(self, images: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self._encode(images) if keep is None else self._encode_kept(images, keep)
 
 
 def load_adapter(family: str, source: str, trust_checkpoint: bool = False) -> ModelAdapter:

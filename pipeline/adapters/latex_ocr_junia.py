@@ -203,13 +203,24 @@ class LatexOcrJuniaAdapter(ModelAdapter):
                 raise PipelineError(f"corrupt model config {folder / CONFIG}: {exc}") from None
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise PipelineError(f"corrupt model weights {folder / WEIGHTS}: {str(exc).splitlines()[0]}") from None
+            policy = meta.get("token_policy")
             if bpe:
                 if tokenizer.vocab_size != model_config.vocab_size:
                     raise SchemaError(f"{TOKENIZER} in {folder} has {tokenizer.vocab_size} entries; the model's "
                                       f"output layer has {model_config.vocab_size} (field 'model_config.vocab_size')")
-                return cls(model, model_config, tokenizer, tokenizer_path)
+                return cls._with_policy(cls(model, model_config, tokenizer, tokenizer_path), policy, folder)
+            return cls._with_policy(cls(model, model_config, LatexTokenizer.load(tokenizer_path), tokenizer_path),
+                                    policy, folder)
         tokenizer = LatexTokenizer.load(tokenizer_path)
         return cls(model, model_config, tokenizer, tokenizer_path)
+
+    @staticmethod
+    def _with_policy(adapter: "LatexOcrJuniaAdapter", policy: dict | None, folder: Path) -> "LatexOcrJuniaAdapter":
+        if policy is not None:
+            from pipeline.tokens.policy import TokenPolicy
+
+            adapter.token_policy = TokenPolicy.from_dict(policy, f"{CONFIG} in {folder}: token_policy")
+        return adapter
 
     @classmethod
     def text_tokenizer(cls, source: str):
@@ -243,6 +254,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             "head_dim": self.model_config.d_model // self.model_config.num_heads,
             # written only when some layer pools: a model without pooling saves what it always did
             **({"encoder_key_pools": pools} if any(w != [1, 1] for w in pools) else {}),
+            # a model recovered to read only some of its patch tokens (pipeline/tokens/policy.py)
+            **({"token_policy": self.token_policy.to_dict()} if self.token_policy is not None else {}),
             "tokenizer": TOKENIZER,
             "tokenizer_kind": "bpe" if isinstance(self.tokenizer, BpeTokenizer) else "char",
         }
@@ -294,7 +307,31 @@ class LatexOcrJuniaAdapter(ModelAdapter):
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model.encode(images.to(self.device))
+        images = images.to(self.device)
+        if self.token_policy is not None:
+            return self.encode_kept(images, self.keep_indices(images))
+        return self.model.encode(images)
+
+    def encode_kept(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The package's encoder on the kept patches: conv(patch) + position, gathered, then LayerNorm and the
+        blocks (no class token: dropping a patch is a gather)."""
+        pe = self.model.patch_embed
+        x = pe.proj(images.to(self.device)).flatten(2).transpose(1, 2) + pe.pos_emb
+        keep = keep.to(x.device)
+        x = torch.gather(x, 1, keep[:, :, None].expand(-1, -1, x.shape[-1]))
+        x = pe.dropout(pe.norm(x))
+        for block in self.model.encoder_blocks:
+            x = block(x)
+        return self.model.encoder_norm(x)
+
+    def token_grid(self) -> tuple[int, int, int] | None:
+        if any(w != [1, 1] for w in self.encoder_key_pools()):  # pooled keys need the whole grid
+            return None
+        return (*_patch_grid(self.model_config), int(self.model_config.patch_size))
+
+    def token_policy_refusal(self) -> str:
+        return ("a token policy needs every encoder layer's keys unpooled (a pooled layer averages windows of the "
+                "whole patch grid): prune.key_pool_layers=[] with prune.tokens")
 
     def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         return self.model.decode(tokens.to(self.device), memory.to(self.device))
@@ -315,6 +352,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         student, config = init_student(self.model, self.model_config, pieces)
         out = type(self)(student, config, bpe, tokenizer_path)
         out.layout_run_cap = self.layout_run_cap  # decodes as the char model it was made from
+        out.token_policy = self.token_policy      # and reads the same tokens
         return out
 
     def decoder_parameters(self) -> list[torch.nn.Parameter]:

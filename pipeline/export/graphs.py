@@ -23,6 +23,14 @@ class EncoderGraph(nn.Module):
         return self.encoder(images)
 
 
+class KeptEncoderGraph(EncoderGraph):
+    """images [B, C, H, W], keep [B, K] (kept patch indices, computed on the host by the package's token
+    policy) -> memory [B, K, D]: the graph only gathers, its shapes never depend on the data."""
+
+    def forward(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.encoder(images, keep)
+
+
 class DecoderFirstGraph(nn.Module):
     """input_ids [B, T] (BOS, or any prefix), memory -> logits [B, V], present self K/V, cross K/V."""
 

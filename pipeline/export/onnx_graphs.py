@@ -10,14 +10,17 @@ import torch
 
 from pipeline.errors import PipelineError
 from pipeline.export.graphs import (VERIFY_WIDTH, DecoderFirstGraph, DecoderStepGraph, DecoderVerifyGraph, EncoderGraph,
-                                    io_names)
+                                    KeptEncoderGraph, io_names)
+
+KEEP = "keep"  # the encoder's kept patch indices [B, K] where the model has a token policy
 
 
-def graph_io(num_layers: int) -> dict[str, dict[str, list[str]]]:
-    """Input and output names of each graph (the runner and the TensorRT profiles read these)."""
+def graph_io(num_layers: int, kept_tokens: bool = False) -> dict[str, dict[str, list[str]]]:
+    """Input and output names of each graph (the runner and the TensorRT profiles read these);
+    ``kept_tokens``: the encoder also takes the kept patch indices."""
     n = io_names(num_layers)
     return {
-        "encoder": {"inputs": ["images"], "outputs": ["memory"]},
+        "encoder": {"inputs": ["images", KEEP] if kept_tokens else ["images"], "outputs": ["memory"]},
         "decoder_first": {"inputs": ["input_ids", "memory"], "outputs": ["logits", *n["present"], *n["cross"]]},
         "decoder_step": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
         # speculative decoding's check of T drafted tokens: logits [B, T, V]
@@ -48,13 +51,21 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
         raise PipelineError(f"model family {adapter.family!r} has no KV-cached decoder to export")
     cached = cached.eval()
     nl = int(cached.num_layers)
-    io = graph_io(nl)
+    policy = adapter.token_policy
+    io = graph_io(nl, policy is not None)
     n = io_names(nl)
     images = torch.rand(2, *adapter.input_shape)
     with torch.no_grad():
         memory = adapter.encode(images)
-    graphs = {"encoder": _to_model(EncoderGraph(adapter), (images,), io["encoder"],
-                                   {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
+    if policy is None:
+        graphs = {"encoder": _to_model(EncoderGraph(adapter), (images,), io["encoder"],
+                                       {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
+    else:  # traced with a count that is no bucket, so no size is baked in
+        k = policy.buckets[0] + 3
+        keep = torch.stack([torch.arange(k) * (policy.num_patches // k), torch.arange(k)])
+        graphs = {"encoder": _to_model(KeptEncoderGraph(adapter), (images, keep), io["encoder"],
+                                       {"images": {0: "batch"}, KEEP: {0: "batch", 1: "tokens"},
+                                        "memory": {0: "batch", 1: "tokens"}}, opset)}
     first = DecoderFirstGraph(cached).eval()
     ids = torch.tensor([[adapter.bos_id, 5, 6], [adapter.bos_id, 7, 7]], dtype=torch.long)
     dyn = {"input_ids": {0: "batch", 1: "seq"}, "memory": {0: "batch", 1: "mem_len"}, "logits": {0: "batch"}}

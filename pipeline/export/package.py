@@ -33,7 +33,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
     meta = {
         "format": "formula-compress onnx package v1",
         "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
-        "graphs": graphs, "io": graph_io(nl), "precision": built.precision,
+        "graphs": graphs, "io": graph_io(nl, adapter.token_policy is not None), "precision": built.precision,
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
         # the char vocabulary, or the formula BPE (HF tokenizers JSON) of a decoder from stage distill
         # (hf: any HF tokenizers JSON, read with the ids below)
@@ -47,6 +47,9 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py; 0 = none)
         "layout_run_cap": int(adapter.layout_run_cap),
+        # the patch tokens the encoder reads: the runtime computes the kept indices from the preprocessed image
+        # with this policy (pipeline/tokens/policy.py) and feeds them as the encoder's "keep" input
+        **({"token_policy": adapter.token_policy.to_dict()} if adapter.token_policy is not None else {}),
         # ONNX Runtime session config entries to read it with (MacaRT too): denormals flushed to zero
         # (same readings, the encoder's softmax tails 100x cheaper on x86), pools that do not spin
         "session_config": session_config(flush_denormals),

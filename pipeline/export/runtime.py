@@ -5,6 +5,7 @@ No torch model and no model weights are loaded here: everything comes from the p
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from pathlib import Path
@@ -178,6 +179,12 @@ class OnnxPackage:
         self.banned = [int(i) for i in self.meta["banned_token_ids"]]
         # greedy decoding's cap on layout-only runs (pipeline/decoding.py); packages from before it: none
         self.layout_run_cap = int(self.meta.get("layout_run_cap", 0))
+        self.token_policy = None  # the encoder reads the patch tokens it keeps (pipeline/tokens/policy.py)
+        if self.meta.get("token_policy") is not None:
+            from pipeline.tokens.policy import TokenPolicy
+
+            self.token_policy = TokenPolicy.from_dict(self.meta["token_policy"], f"{PACKAGE_META} in {self.folder}")
+        self.tokens_kept: collections.Counter = collections.Counter()  # tokens an image's encoder read -> images
         self._guard: LayoutGuard | None = None
         self.num_layers = int(self.meta["num_layers"])
         # the decoder's position table; packages from before it was recorded: their export cap
@@ -277,8 +284,16 @@ class OnnxPackage:
     def preprocess(self, image: Image.Image) -> np.ndarray:
         return preprocess_image(image, self.preprocess_spec)
 
-    def encode(self, images: np.ndarray) -> np.ndarray:
-        return self.sessions["encoder"].run(["memory"], {"images": images.astype(np.float32, copy=False)})[0]
+    def encode(self, images: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+        """Memory [B, N, D] of preprocessed images; with a token policy, of the kept patches only (``keep``
+        [B, K]: computed here from the images when not given; refused in one line when it does not fit)."""
+        images = images.astype(np.float32, copy=False)
+        if self.token_policy is None:
+            return self.sessions["encoder"].run(["memory"], {"images": images})[0]
+        keep = self.token_policy.keep_batch(images) if keep is None else np.asarray(keep, dtype=np.int64)
+        self.token_policy.check(keep, images.shape[0])
+        self.tokens_kept[int(keep.shape[1])] += images.shape[0]
+        return self.sessions["encoder"].run(["memory"], {"images": images, "keep": keep})[0]
 
     def first(self, input_ids: np.ndarray, memory: np.ndarray) -> tuple[np.ndarray, list, list]:
         outs = self.sessions["decoder_first"].run(None, {"input_ids": input_ids.astype(np.int64), "memory": memory})

@@ -20,28 +20,33 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
     """min/opt/max shape per dynamic input of each graph: batch 1..max_batch (opt 1, a single
     request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
     ``decoder_verify`` at batch 1, 1..``meta['verify_width']`` tokens (package.json holds it wherever the
-    graph is; opt: the widest call)."""
+    graph is; opt: the widest call). With a token policy the memory is as long as the tokens an image keeps:
+    its smallest bucket .. its largest (opt: the second, a typical formula)."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
     d = meta["hidden_size"]
     opt_len = max(1, min(opt_len, max_len - 1))
+    buckets = list((meta.get("token_policy") or {}).get("buckets") or [mem_len])
+    mem = (buckets[0], buckets[min(1, len(buckets) - 1)], buckets[-1])  # min, opt, max memory length
 
     def kv(length_min: int, length_opt: int, length_max: int):
         return ((1, heads, length_min, head_dim), (1, heads, length_opt, head_dim), (max_batch, heads, length_max, head_dim))
 
     io = meta["io"]
     out: dict[str, dict[str, tuple[Shape, Shape, Shape]]] = {
-        "encoder": {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w))},
+        "encoder": {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w)),
+                    **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io["encoder"]["inputs"]
+                       else {})},
         "decoder_first": {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
-                          "memory": ((1, mem_len, d), (1, mem_len, d), (max_batch, mem_len, d))},
+                          "memory": ((1, mem[0], d), (1, mem[1], d), (max_batch, mem[2], d))},
         "decoder_step": {"input_ids": ((1, 1), (1, 1), (max_batch, 1))},
     }
     for name in io["decoder_step"]["inputs"][1:]:
         if name.startswith("past_"):
             out["decoder_step"][name] = kv(1, opt_len, max_len - 1)
         else:
-            out["decoder_step"][name] = kv(mem_len, mem_len, mem_len)
+            out["decoder_step"][name] = kv(*mem)
     if "decoder_verify" in meta.get("graphs", {}):
         width = int(meta["verify_width"])  # batch 1, up to width tokens
         out["decoder_verify"] = {"input_ids": ((1, 1), (1, width), (1, width))}

@@ -1,0 +1,155 @@
+"""The token policy: the patches that hold ink, their neighbours, and a coarse grid of real background
+patches that keeps the frame (where the formula sits, where it ends), padded up to a size bucket.
+
+Computed from the preprocessed image alone (numpy, no torch: a package's runtime imports it). A patch
+token of the default model is conv(patch) + its learned position embedding: keeping a patch is a gather
+of its index, and a batch needs no mask, since a shorter row is topped up with more of its own real
+patches (the next ones in its ranking) to the batch's bucket. Buckets keep the shapes few (TensorRT
+profiles, ONNX Runtime's memory planner). Indices are computed once on the host and passed as the
+encoder's ``keep`` input: no data-dependent shapes inside a graph.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+KIND = "ink"
+
+# a patch's rank, the order tokens are kept in (ties by index): ink first, the frame before filler
+INK, NEIGHBOUR, FRAME, FILL, REST = range(5)
+
+
+@dataclass(frozen=True)
+class TokenPolicy:
+    """Which of a [grid_h x grid_w] patch grid's tokens an image keeps (``package.json: token_policy``)."""
+    grid_h: int                      # patch rows and columns of the model's input
+    grid_w: int
+    patch: int                       # pixels a patch side
+    ink_below: float = 250 / 255     # a patch holding a pixel darker than this (preprocessed scale) holds ink
+    dilate: int = 1                  # ink patches' neighbours kept, this many patches around (Chebyshev)
+    frame_stride: int = 4            # plus every frame_stride-th patch of rows and columns (0: none)
+    buckets: tuple[int, ...] = field(default=(128, 256, 384, 1024))  # kept counts, padded up; smallest = floor
+    kind: str = KIND
+
+    def __post_init__(self) -> None:
+        n = self.grid_h * self.grid_w
+        if self.kind != KIND:
+            raise PipelineError(f"token policy kind {self.kind!r}: known kinds: {KIND}")
+        if min(self.grid_h, self.grid_w, self.patch) < 1:
+            raise PipelineError(f"token policy: grid {self.grid_h}x{self.grid_w}, patch {self.patch}: each must be >= 1")
+        if self.dilate < 0 or self.frame_stride < 0:
+            raise PipelineError(f"token policy: dilate={self.dilate}, frame_stride={self.frame_stride} must be >= 0")
+        b = list(self.buckets)
+        if not b or b != sorted(set(b)) or b[0] < 1 or b[-1] > n:
+            raise PipelineError(f"token policy: buckets {b} must rise strictly, within 1..{n} (the image's patches)")
+        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid_h * self.grid_w
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "buckets": list(self.buckets)}
+
+    @classmethod
+    def from_dict(cls, spec: dict, where: str = "token_policy") -> "TokenPolicy":
+        try:
+            return cls(**{**spec, "buckets": tuple(spec.get("buckets", cls.__dataclass_fields__["buckets"].default))})
+        except TypeError as exc:
+            raise PipelineError(f"{where}: {exc}") from None
+
+    # ---- one image -----------------------------------------------------------------------------
+    def ranks(self, image: np.ndarray) -> np.ndarray:
+        """Each patch's rank (INK ... REST), row-major over the grid, from a preprocessed [C, H, W] image."""
+        c, h, w = image.shape
+        if (h, w) != (self.grid_h * self.patch, self.grid_w * self.patch):
+            raise PipelineError(f"token policy: image {h}x{w} px is not the policy's {self.grid_h}x{self.grid_w} "
+                                f"patches of {self.patch} px")
+        darkest = image.min(axis=0).reshape(self.grid_h, self.patch, self.grid_w, self.patch).min(axis=(1, 3))
+        ink = darkest < self.ink_below
+        rank = np.full((self.grid_h, self.grid_w), REST, dtype=np.int8)
+        fill = _lattice(self.grid_h, self.grid_w, max(1, self.frame_stride // 2)) if self.frame_stride > 1 \
+            else np.zeros_like(ink)
+        rank[fill] = FILL
+        if self.frame_stride:
+            rank[_lattice(self.grid_h, self.grid_w, self.frame_stride)] = FRAME
+        rank[_dilated(ink, self.dilate) & ~ink] = NEIGHBOUR
+        rank[ink] = INK
+        return rank.reshape(-1)
+
+    def count(self, ranks: np.ndarray) -> int:
+        """Tokens an image keeps: its ink, neighbours and frame, up to the next bucket (the smallest one at
+        least: the floor; the largest at most: the cap)."""
+        wanted = int((ranks <= FRAME).sum())
+        return next((b for b in self.buckets if b >= wanted), self.buckets[-1])
+
+    def keep(self, image: np.ndarray) -> np.ndarray:
+        """The kept patch indices of one preprocessed image, ascending (int64)."""
+        ranks = self.ranks(image)
+        return _first(ranks, self.count(ranks))
+
+    # ---- a batch ---------------------------------------------------------------------------------
+    def keep_batch(self, images: np.ndarray) -> np.ndarray:
+        """[B, K] kept indices of a batch [B, C, H, W]: K the largest count among its images; a row that
+        keeps fewer is topped up with its own next-ranked real patches (no padding mask anywhere)."""
+        ranks = [self.ranks(im) for im in images]
+        k = max((self.count(r) for r in ranks), default=self.buckets[0])
+        return np.stack([_first(r, k) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
+
+    def check(self, keep: np.ndarray, batch: int) -> None:
+        """One error line for indices that do not fit this policy's image (or the batch)."""
+        keep = np.asarray(keep)
+        if keep.ndim != 2 or keep.shape[0] != batch or keep.shape[1] < 1:
+            raise PipelineError(f"token indices of shape {list(keep.shape)} do not fit a batch of {batch} images "
+                                f"([batch, tokens], at least one token)")
+        if keep.size and (keep.min() < 0 or keep.max() >= self.num_patches):
+            raise PipelineError(f"token indices {int(keep.min())}..{int(keep.max())} outside the image's "
+                                f"{self.num_patches} patches")
+
+
+def _first(ranks: np.ndarray, k: int) -> np.ndarray:
+    order = np.lexsort((np.arange(ranks.size), ranks))  # by rank, then index
+    return np.sort(order[:k]).astype(np.int64)
+
+
+def _lattice(h: int, w: int, stride: int) -> np.ndarray:
+    """Every ``stride``-th row and column, centred (offset stride // 2): [h, w] bool."""
+    mask = np.zeros((h, w), dtype=bool)
+    mask[stride // 2::stride, stride // 2::stride] = True
+    return mask
+
+
+def _dilated(mask: np.ndarray, radius: int) -> np.ndarray:
+    """``mask`` grown by ``radius`` patches in every direction (a (2r+1)^2 square)."""
+    if radius <= 0 or not mask.any():
+        return mask.copy()
+    h, w = mask.shape
+    padded = np.pad(mask, radius)
+    out = np.zeros_like(mask)
+    for dy in range(2 * radius + 1):
+        for dx in range(2 * radius + 1):
+            out |= padded[dy:dy + h, dx:dx + w]
+    return out
+
+
+def for_grid(grid_h: int, grid_w: int, patch: int, settings: dict | None = None) -> TokenPolicy:
+    """The policy for a model's patch grid with ``settings`` (dilate, frame_stride, buckets, ink_below);
+    a bucket past the image's patches is cut to them."""
+    settings = dict(settings or {})
+    n = grid_h * grid_w
+    if "buckets" in settings:
+        settings["buckets"] = tuple(sorted({min(int(b), n) for b in settings["buckets"]}))
+    return TokenPolicy(grid_h=grid_h, grid_w=grid_w, patch=patch, **settings)
+
+
+def stats(counts: Sequence[int], num_patches: int) -> dict:
+    """Tokens kept per image: mean, p95, share of the image's patches."""
+    arr = np.asarray(list(counts), dtype=np.float64)
+    if not arr.size:
+        return {"mean": 0.0, "p95": 0.0, "share": 0.0, "n": 0}
+    return {"mean": float(arr.mean()), "p95": float(np.percentile(arr, 95)), "share": float(arr.mean() / num_patches),
+            "n": int(arr.size)}

@@ -1,0 +1,124 @@
+"""Token reduction: the policy (blank, full, typical images; batches; bad indices), the default family's
+encoder on the kept tokens, and the exported encoder with its ``keep`` input against its torch model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tiny_model import FORMULAS, build_tiny, fake_ctx
+
+from pipeline.errors import PipelineError
+from pipeline.tokens.policy import FRAME, INK, NEIGHBOUR, TokenPolicy, for_grid
+
+POLICY = for_grid(16, 64, 8)
+
+
+def _formula_image(latex: str) -> np.ndarray:
+    from pipeline.adapters.latex_ocr_junia import place_on_canvas, to_grey
+    from pipeline.data.render import render_formula
+
+    canvas = place_on_canvas(to_grey(render_formula(latex)), 128, 512)
+    return (np.asarray(canvas, dtype=np.float32) / 255.0)[None]
+
+
+def test_a_blank_image_keeps_the_floor_and_an_inked_one_keeps_all():
+    blank = np.ones((1, 128, 512), np.float32)
+    keep = POLICY.keep(blank)
+    assert keep.size == POLICY.buckets[0] == 128 and keep.dtype == np.int64
+    assert (np.diff(keep) > 0).all() and keep.min() >= 0 and keep.max() < 1024
+    noise = np.random.default_rng(0).random((1, 128, 512), dtype=np.float32)  # ink everywhere: a photo
+    assert POLICY.keep(noise).tolist() == list(range(1024))
+
+
+def test_a_formula_keeps_its_ink_its_neighbours_and_the_frame_up_to_a_bucket():
+    image = _formula_image(r"\frac{a}{b}+x^{2}")
+    ranks = POLICY.ranks(image)
+    ink = np.flatnonzero(ranks == INK)
+    assert 0 < ink.size < 200
+    keep = POLICY.keep(image)
+    assert keep.size in POLICY.buckets and keep.size >= (ranks <= FRAME).sum()
+    assert set(ink) <= set(keep) and set(np.flatnonzero(ranks == NEIGHBOUR)) <= set(keep)
+    # the darkest pixel decides: a patch the formula never touches is not ink
+    patches = image[0].reshape(16, 8, 64, 8).min(axis=(1, 3)).reshape(-1)
+    assert (patches[ink] < 250 / 255).all() and (patches[np.flatnonzero(ranks != INK)] >= 250 / 255).all()
+
+
+def test_a_batch_tops_up_shorter_rows_with_their_own_real_patches():
+    images = np.stack([np.ones((1, 128, 512), np.float32), _formula_image(r"\sum_{i=1}^{n} i^{2} = \frac{n(n+1)(2n+1)}{6}")])
+    keep = POLICY.keep_batch(images)
+    alone = [POLICY.keep(im) for im in images]
+    assert keep.shape == (2, max(a.size for a in alone))
+    for row, own in zip(keep, alone):
+        assert set(own) <= set(row) and len(set(row.tolist())) == row.size  # its own first, no repeats
+
+
+def test_indices_that_do_not_fit_are_one_error_and_settings_are_checked():
+    with pytest.raises(PipelineError, match="outside the image's 1024 patches"):
+        POLICY.check(np.array([[0, 1024]]), 1)
+    with pytest.raises(PipelineError, match="do not fit a batch of 2"):
+        POLICY.check(np.array([[0, 1]]), 2)
+    with pytest.raises(PipelineError, match="must rise strictly"):
+        TokenPolicy(16, 64, 8, buckets=(256, 128))
+    with pytest.raises(PipelineError, match="not the policy's 16x64"):
+        POLICY.keep(np.ones((1, 64, 64), np.float32))
+    assert for_grid(4, 4, 8, {"buckets": [8, 4096]}).buckets == (8, 16)  # cut to the image's patches
+
+
+def test_the_encoder_on_every_token_kept_equals_the_full_encoder():
+    adapter = build_tiny()
+    images = torch.rand(2, *adapter.input_shape)
+    grid = adapter.token_grid()
+    assert grid is not None
+    everything = torch.arange(grid[0] * grid[1])[None].repeat(2, 1)
+    with torch.no_grad():
+        assert torch.allclose(adapter.encode_kept(images, everything), adapter.model.encode(images), atol=1e-5)
+        some = everything[:, ::3]
+        assert adapter.encode_kept(images, some).shape[1] == some.shape[1]
+
+
+def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_reads_as_torch(tmp_path):
+    from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import export
+
+    adapter = build_tiny()
+    adapter.set_token_policy({"buckets": [8, 16, 32, adapter.token_grid()[0] * adapter.token_grid()[1]],
+                              "frame_stride": 2})
+    adapter.save(tmp_path / "tiny-tokens")
+    loaded = LatexOcrJuniaAdapter.load(str(tmp_path / "tiny-tokens"))
+    assert loaded.token_policy == adapter.token_policy
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:4]) + "\n")
+    ctx = fake_ctx(tmp_path, [f"export.model={tmp_path / 'tiny-tokens'}", "export.quantized=none",
+                              f"export.formulas={tmp_path / 'formulas.txt'}", "model.max_length=8",
+                              "export.parity_images=2", "export.parity_limit=2", "export.min_identical=0",
+                              "export.drafter=none", "export.targets=[ort_cpu,tensorrt,metax]"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)  # each target validated by its own rules
+    for target in ("tensorrt", "metax"):
+        other = json.loads((tmp_path / f"export-{target}" / "package.json").read_text())
+        assert other["io"]["encoder"]["inputs"] == ["images", "keep"] and other["token_policy"]
+    from pipeline.export.tensorrt import profiles
+
+    shapes = profiles(json.loads((tmp_path / "export-tensorrt" / "package.json").read_text()), 4, 8)
+    assert shapes["encoder"]["keep"] == ((1, 8), (1, 16), (4, adapter.token_policy.buckets[-1]))
+    folder = tmp_path / "export-ort_cpu"
+    meta = json.loads((folder / "package.json").read_text())
+    assert meta["token_policy"] == adapter.token_policy.to_dict()
+    assert meta["io"]["encoder"]["inputs"] == ["images", "keep"]
+    package = OnnxPackage(folder, threads=1)
+    images = np.stack([package.preprocess(render_formula(f)) for f in FORMULAS[:3]]).astype(np.float32)
+    keep = adapter.token_policy.keep_batch(images)
+    with torch.no_grad():
+        ref = loaded.encode_kept(torch.from_numpy(images), torch.from_numpy(keep)).numpy()
+    got = package.encode(images)
+    assert got.shape == ref.shape and np.abs(got - ref).max() < 1e-4
+    with torch.no_grad():
+        want = loaded.generate(torch.from_numpy(images), max_length=8, batch_size=3, use_cache=True).token_ids
+    package.tokens_kept.clear()
+    assert package.generate(images, 8, batch_size=3).token_ids == want
+    assert package.tokens_kept == {keep.shape[1]: 3}
+    with pytest.raises(PipelineError, match="outside the image"):
+        package.encode(images[:1], np.array([[0, 10**6]]))
