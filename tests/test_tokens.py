@@ -122,3 +122,43 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
     assert package.tokens_kept == {keep.shape[1]: 3}
     with pytest.raises(PipelineError, match="outside the image"):
         package.encode(images[:1], np.array([[0, 10**6]]))
+
+
+PRUNE_FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",
+              "prune.refit_images=4", "prune.finetune_steps=2", "prune.finetune_images=4", "prune.finetune_varied=2",
+              "prune.finetune_batch=2", "prune.latency_images=1", "prune.compare_random=false"]
+
+
+def _prune(root, folder, *overrides):
+    from pipeline.stages import prune
+
+    ctx = fake_ctx(root, [f"prune.model={folder}", *PRUNE_FAST, *overrides])
+    return ctx, prune.run(OmegaConf.to_object(ctx.cfg.prune), ctx)
+
+
+def test_prune_tokens_recovers_the_model_to_read_its_kept_tokens_and_saves_the_policy(tmp_path):
+    build_tiny().save(tmp_path / "tiny")
+    ctx, manifest = _prune(tmp_path, tmp_path / "tiny", "prune.num_heads=0",
+                           "prune.tokens.enabled=true",
+                           "prune.tokens.buckets=[8,16,32]", "prune.tokens.frame_stride=2")
+    m = manifest["metrics"]
+    assert m["token_policy"]["buckets"] == [8, 16, 32] and m["token_policy"]["frame_stride"] == 2
+    assert len(m["recovery"]["rounds"]) == 1 and m["recovery"]["rounds"][0]["finetune"]["steps"] == 2
+    assert m["reload_identical"] is True and manifest["config"]["tokens"]["buckets"] == [8, 16, 32]
+    model = ctx.load_model("prune")
+    assert model.token_policy is not None and model.token_policy.buckets == (8, 16, 32)
+    blank = torch.ones(1, *model.input_shape)
+    assert model.encode(blank).shape[1] == 8  # a blank image: the floor
+
+
+@pytest.mark.parametrize("override, message", [
+    ("prune.key_pool_layers=[0] prune.key_pool=[2,2] prune.tokens.enabled=true",
+     "needs every encoder layer's keys unpooled"),
+    ("prune.tokens.enabled=true prune.tokens.buckets=[0,16]", r"within 1..32 \(the image.s patches\)"),
+    ("prune.tokens.enabled=true prune.tokens.dilate=-1", "dilate=-1, frame_stride=4 must be >= 0"),
+])
+def test_a_token_policy_the_model_cannot_read_with_is_one_error_before_the_work(tmp_path, override, message):
+    build_tiny().save(tmp_path / "tiny")
+    with pytest.raises(PipelineError, match=message):
+        _prune(tmp_path, tmp_path / "tiny", "prune.num_heads=1", *override.split())
+    assert not [p for p in tmp_path.glob("prune*")]

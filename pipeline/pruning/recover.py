@@ -449,8 +449,11 @@ def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, l
             inp, tgt = inp.to(device), tgt.to(device)
             mask = tgt.ne(student.pad_id)
             t_mem, t_logits = cache.batch(idx, images, inp, mask.sum(1).tolist())
+            keep = student.keep_indices(x) if student.token_policy is not None else None
+            if keep is not None:  # the teacher's memory at the tokens the student keeps (it read them all)
+                t_mem = torch.gather(t_mem, 1, keep[:, :, None].expand(-1, -1, t_mem.shape[-1]))
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                mem = student.encode(x)
+                mem = student.encode(x) if keep is None else student.encode_kept(x, keep)
                 logits = student.decode_logits(inp, mem)
             mem, logits = mem.float(), logits.float()
             ce = F.cross_entropy(logits[mask], tgt[mask]) if label_weight else logits.new_zeros(())

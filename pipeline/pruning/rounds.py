@@ -17,12 +17,13 @@ import torch
 from pipeline.pruning import recover
 
 
-def pruned_copy(adapter, heads: dict[int, list[int]], pools: dict[int, list[int]]):
-    """A copy of ``adapter`` without ``heads`` ({layer: head indices}) and with ``pools``' keys pooled,
-    not recovered."""
+def pruned_copy(adapter, heads: dict[int, list[int]], pools: dict[int, list[int]], tokens: Optional[dict] = None):
+    """A copy of ``adapter`` without ``heads`` ({layer: head indices}), with ``pools``' keys pooled and
+    reading only the patch tokens of the ``tokens`` policy (None: all), not recovered."""
     twin = adapter.clone()
     twin.remove_encoder_heads(heads)
     twin.pool_encoder_keys(pools)
+    twin.set_token_policy(tokens)
     return twin
 
 
@@ -44,14 +45,17 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
-    if pools and not order:
+    tokens = cfg.tokens.policy() if hasattr(cfg, "tokens") else None  # stage prune's token policy, or None
+    if (pools or tokens is not None) and not order:  # nothing pruned: one recovery round for them alone
         rounds = [[]]
     student = original.clone()
     student.pool_encoder_keys(pools or {})
+    # the refit and the block-wise distillation match the original token for token (every token); the
+    # finetune then teaches the model to read with the kept tokens alone (prune.tokens)
     current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
     log["rounds"] = []
     for r, chunk in enumerate(rounds):
-        if not chunk and not (pools and r == 0):
+        if not chunk and not ((pools or tokens is not None) and r == 0):
             continue
         now: dict[int, list[int]] = {}
         for _, l, h in chunk:  # original head index -> its position in the current layer
@@ -59,9 +63,10 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
         student.remove_encoder_heads(now)
         for _, l, h in chunk:
             current[l].remove(h)
-        first = min([*now, *((pools or {}) if r == 0 else {})])
+        first = min([*now, *((pools or {}) if r == 0 else {})], default=0)
         layers = list(range(first, len(current)))
         entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
+        student.set_token_policy(None)
         refit_n = min(cfg.refit_images, len(images))
         t0 = time.process_time()
         fit = images[:refit_n] if refit_extra is None else torch.cat([images[:refit_n], refit_extra])
@@ -73,6 +78,7 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
             student, original, images[:cfg.distill_images], layers, epochs=cfg.distill_epochs, lr=cfg.distill_lr,
             minutes=cfg.distill_minutes / cfg.iterations, seed=seed + r, progress=progress)
         entry["distill_cpu_seconds"] = time.process_time() - t0
+        student.set_token_policy(tokens)
         t0 = time.process_time()
         entry["finetune_planned"] = share(cfg.finetune_steps, r, cfg.iterations)
         entry["finetune"] = recover.finetune(
@@ -83,6 +89,7 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
             precision=cfg.finetune_precision, device=device)
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
+    student.set_token_policy(tokens)  # also without a round (nothing pruned): it reads with the policy
     log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
                              for e in log["rounds"]) / 60
     return student

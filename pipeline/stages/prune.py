@@ -40,6 +40,22 @@ CONFIG_KEY = "prune"
 
 
 @dataclass
+class TokensConfig:
+    enabled: bool = False            # off: the encoder reads every patch token
+    dilate: int = 1                  # the patches holding ink, and their neighbours this many patches around
+    frame_stride: int = 4            # plus every frame_stride-th patch of rows and columns: the frame (0: none)
+    buckets: List[int] = field(default_factory=lambda: [128, 256, 384, 1024])  # counts kept, padded up to one
+    ink_below: float = 250 / 255     # a pixel darker than this (preprocessed scale) is ink
+
+    def policy(self) -> Optional[dict]:
+        """The policy's settings (pipeline/tokens/policy.py), or None when off."""
+        if not self.enabled:
+            return None
+        return {"dilate": int(self.dilate), "frame_stride": int(self.frame_stride),
+                "buckets": [int(b) for b in self.buckets], "ink_below": float(self.ink_below)}
+
+
+@dataclass
 class PruneConfig:
     model: str = "original"          # the model to prune: original | a stage with a model | a folder
     # defaults: the sweep's best point (docs/prune.md): the 8 lowest-l2_qkv heads of 32 (per-layer
@@ -56,6 +72,10 @@ class PruneConfig:
     # recovery, so the recovery trains it in. [] = off (docs/prune.md, "Pooled keys")
     key_pool_layers: List[int] = field(default_factory=list)
     key_pool: List[int] = field(default_factory=lambda: [1, 2])
+    # token reduction (pipeline/tokens/policy.py): the pruned model reads only the patch tokens its policy
+    # keeps, and the recovery's finetune trains it to (prune.tokens.enabled=true). Needs unpooled keys
+    # (key_pool_layers=[]) and a family with a token grid
+    tokens: TokensConfig = field(default_factory=TokensConfig)
     normalize: str = "layer"         # layer | global: how scores compare across layers
     score_images: int = 16           # rendered train formulas for gradient and ablation scores
     recovery: bool = True            # distill the pruned model from the original
@@ -213,7 +233,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
                             f"{cfg.min_heads_per_layer}: {exc}") from None
 
     pools = _key_pools(cfg, original, len(head_counts))
-    changed = bool(n_remove or pools)
+    _check_tokens(cfg, original, pools)
+    changed = bool(n_remove or pools or cfg.tokens.enabled)
     name = ctx.artifact_name("prune", cfg.name)
     corpus_hash = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus_hash}
@@ -258,7 +279,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         variants["original"] = _baseline(original, eval_items, cfg, ctx, inputs)
         phases.lap("original's check reading")
 
-        pruned_raw = rounds.pruned_copy(original, removed, pools)
+        pruned_raw = rounds.pruned_copy(original, removed, pools, cfg.tokens.policy())
         if cfg.check_before_recovery or not (cfg.recovery and changed):
             variants["pruned, before recovery"] = _measure(pruned_raw, eval_items, cfg, ctx, "pruned")
             phases.lap("check reading before recovery")
@@ -278,7 +299,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             rnd = rounds.prune_and_recover(original, random_removed, all_scores["random"], cfg, train_images,
                                            train_latex, rnd_log, resume / "random", ctx.seed, ctx.progress,
                                            ctx.device, refit_extra, tune, pools) \
-                if cfg.recovery else rounds.pruned_copy(original, random_removed, pools)
+                if cfg.recovery else rounds.pruned_copy(original, random_removed, pools, cfg.tokens.policy())
             label = "random heads, after recovery" if cfg.recovery else "random heads"
             variants[label] = _measure(rnd, eval_items, cfg, ctx, "random")
             recovery_log["random"] = rnd_log
@@ -298,6 +319,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
             "removed": {str(k): v for k, v in removed.items()},
             "encoder_heads": pruned.encoder_head_counts(),
             "encoder_key_pools": pruned.encoder_key_pools(),
+            "token_policy": pruned.token_policy.to_dict() if pruned.token_policy is not None else None,
             "flops_per_head": per_head, "spearman_vs_ablation": correlations,
             "variants": variants, "recovery": recovery_log, "reload_identical": reload_ok,
             "eval_n": len(next(iter(eval_items.values()))), "max_length": int(ctx.cfg.model.max_length),
@@ -322,6 +344,8 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
     if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with
         config.pop("key_pool_layers")
         config.pop("key_pool")
+    if not cfg.tokens.enabled:  # every token, as before the option
+        config.pop("tokens")
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
                         ("check_before_recovery", True)):
@@ -348,6 +372,18 @@ def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
         except ValueError as exc:
             raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: {exc}") from None
     return pools
+
+
+def _check_tokens(cfg: PruneConfig, adapter, pools: dict) -> None:
+    """``prune.tokens``: a policy the model can read with (one error line, before the work)."""
+    if not cfg.tokens.enabled:
+        return
+    twin = adapter.clone()
+    twin.pool_encoder_keys(pools)
+    try:
+        twin.set_token_policy(cfg.tokens.policy())
+    except PipelineError as exc:
+        raise PipelineError(f"prune.tokens: {exc}") from None
 
 
 def _finetune_set(cfg: PruneConfig, ctx: StageContext, original, images: torch.Tensor, latex: list[str],
