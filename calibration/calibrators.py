@@ -85,6 +85,14 @@ def calib_images(calib_set, start: int = 0, stop: int | None = None) -> np.ndarr
     return np.asarray(rows, dtype=np.float32)
 
 
+def token_feeds(policy) -> Callable[[np.ndarray], dict[str, np.ndarray]] | None:
+    """A reader's ``extra_feeds`` for an encoder that reads only the patch tokens a token policy keeps
+    (its ``keep`` input, computed from each batch as the package's runtime does); None without a policy."""
+    if policy is None:
+        return None
+    return lambda batch: {"keep": policy.keep_batch(batch)}
+
+
 class CalibSetReader(CalibrationDataReader):
     """Feeds a calib_set to an ORT session in batches: ``{input_name: float32 [B, C, H, W]}``.
 

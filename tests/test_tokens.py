@@ -162,3 +162,29 @@ def test_a_token_policy_the_model_cannot_read_with_is_one_error_before_the_work(
     with pytest.raises(PipelineError, match=message):
         _prune(tmp_path, tmp_path / "tiny", "prune.num_heads=1", *override.split())
     assert not [p for p in tmp_path.glob("prune*")]
+
+
+@pytest.mark.slow
+def test_the_chain_hands_a_token_policy_from_prune_through_quantize_to_every_targets_package(tmp_path):
+    """prune.tokens on: quantize calibrates, searches and finetunes through the kept tokens (its readers feed
+    the encoder's keep input), and each target's package reads the INT8 encoder with the policy."""
+    from test_chain import CHAIN, _tiny_with_calib_set
+
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import export, prune, quantize
+
+    original, _ = _tiny_with_calib_set(tmp_path)
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
+    ctx = fake_ctx(tmp_path, [f"prune.model={original}", f"export.formulas={tmp_path / 'formulas.txt'}", *CHAIN,
+                              "prune.tokens.enabled=true", "prune.tokens.buckets=[8,16,32]", "quantize.qat_steps=2",
+                              "quantize.qat_images=8", "export.targets=[ort_cpu,tensorrt,metax]"])
+    for mod, key in ((prune, "prune"), (quantize, "quantize"), (export, "export")):
+        mod.run(OmegaConf.to_object(ctx.cfg[key]), ctx)
+    for target in ("ort_cpu", "tensorrt", "metax"):
+        folder = tmp_path / f"export-{target}"
+        meta = json.loads((folder / "package.json").read_text())
+        assert meta["token_policy"]["buckets"] == [8, 16, 32] and meta["precision"] != "fp32", target
+        package = OnnxPackage(folder, threads=1)
+        blank = np.ones((1, *meta["input_shape"]), np.float32)
+        assert package.encode(blank).shape[1] == 8  # the floor
+        assert package.generate(blank, 8, 1).token_ids  # a blank image reads (empty is fine), never a crash

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import onnx
 
 from calibration import calibrators
-from calibration.calibrators import CalibSetReader
+from calibration.calibrators import CalibSetReader, token_feeds
 from pipeline.quantization import qdq
 from pipeline.quantization.groups import find_groups
 
@@ -59,7 +59,9 @@ def build_all(graphs, workdir: Path, calib_set, calib_images: int, by_name,
 
     t0 = time.perf_counter()
     path = workdir / "anchor.static.onnx"
-    qdq.static_defaults(graphs.encoder_ort, path, CalibSetReader(calib_set, "images", batch_size=8, limit=calib_images))
+    reader = CalibSetReader(calib_set, "images", batch_size=8, limit=calib_images,
+                            extra_feeds=token_feeds(graphs.package.token_policy))
+    qdq.static_defaults(graphs.encoder_ort, path, reader)
     out["ORT quantize_static (defaults)"] = (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
                                             "U8 activations, per-tensor, MinMax")
 

@@ -34,7 +34,7 @@ from typing import Optional
 import onnx
 
 from calibration import sensitivity
-from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set
+from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set, token_feeds
 from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError, optional_part
@@ -274,7 +274,8 @@ def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set,
     ref_memory = encoder_outputs(graphs.package, graphs.encoder_std, sens_images)
 
     def reader():
-        return CalibSetReader(calib_set, "images", batch_size=8, limit=cfg.calib_images)
+        return CalibSetReader(calib_set, "images", batch_size=8, limit=cfg.calib_images,
+                              extra_feeds=token_feeds(graphs.package.token_policy))
 
     lap('float reading of the search set')
     # 1. calibration methods side by side, on the ort_cpu graph with every weight group INT8: the same
