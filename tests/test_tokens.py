@@ -122,6 +122,14 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
     assert package.tokens_kept == {keep.shape[1]: 3}
     with pytest.raises(PipelineError, match="outside the image"):
         package.encode(images[:1], np.array([[0, 10**6]]))
+    from pipeline.benchmarking.rows import tokens_kept
+    from pipeline.benchmarking.summary import _kept
+    from pipeline.benchmarking.variants import PACKAGE, Variant
+
+    v = Variant("tokens", PACKAGE, str(folder), 1, package.generate, {}, package)
+    kept = tokens_kept(v, loaded, images)  # each image's own count, before a batch tops it up
+    assert kept["n"] == 3 and kept["mean"] == np.mean([package.token_policy.keep(im).size for im in images])
+    assert _kept(kept) == f"{kept['mean']:.0f} / {kept['p95']:.0f}" and _kept(None) == "all"
 
 
 PRUNE_FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",

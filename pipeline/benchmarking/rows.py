@@ -14,18 +14,32 @@ from pipeline.benchmarking.variants import Lineup, Variant, layout_run_cap, pack
 
 
 def table(lineup: Lineup, adapter: ModelAdapter, reads: dict[str, dict], splits: dict[str, dict[str, dict]],
-          latency: dict[str, dict], memory: dict[str, dict]) -> tuple[list[dict], list[str]]:
+          latency: dict[str, dict], memory: dict[str, dict], images: Optional[np.ndarray] = None
+          ) -> tuple[list[dict], list[str]]:
     """One row per variant of ``lineup`` (its readings of the main split and of each other split, its
-    batch-1 latency and peak memory), with its ratios to the shipped model; and the notes on what the
-    rows cannot compare. ``adapter``: the torch variants' model."""
+    batch-1 latency and peak memory, the patch tokens its encoder kept of ``images``), with its ratios to
+    the shipped model; and the notes on what the rows cannot compare. ``adapter``: the torch variants' model."""
     reference = lineup.reference.label
     vocabularies = {v.label: vocabulary(v, adapter) for v in lineup.variants}
     notes = [n for n in (caps_note({v.label: layout_run_cap(v, adapter) for v in lineup.variants}),
                          vocabulary_note(vocabularies, reference)) if n]
     rows = [variant_row(v, reads[v.label], reads[reference], vocabularies[v.label] == vocabularies[reference],
                         latency[v.label], splits, memory.get(v.label, {})) for v in lineup.variants]
+    for row, v in zip(rows, lineup.variants):
+        row["tokens_kept"] = tokens_kept(v, adapter, images)
     add_ratios(rows)
     return rows, notes
+
+
+def tokens_kept(v: Variant, adapter: ModelAdapter, images: Optional[np.ndarray]) -> Optional[dict]:
+    """Patch tokens a variant's encoder keeps per image of ``images`` (its own count, before a batch tops it
+    up): mean, p95, share; None where it reads every token."""
+    from pipeline.tokens.policy import stats
+
+    policy = v.package.token_policy if v.package is not None else getattr(adapter, "token_policy", None)
+    if policy is None or images is None:
+        return None
+    return stats([policy.count(policy.ranks(im)) for im in images], policy.num_patches)
 
 
 def twin_note(reads: dict[str, dict], label: str, twin: str, what: str) -> Optional[str]:

@@ -19,11 +19,16 @@ SUMMARY_JSON = "summary.json"
 RUN_ORDER = ("corpus", "evaluate", "prune", "tokenizer", "distill", "calibrate", "quantize", "export", "benchmark")
 
 HEADER = ["variant", "exact match", "Δ points", "CER", "n", "identical tokens", "p50 ms", "p95 ms", "images/s (batch 8)",
-          "peak RSS MB", "size MB", "speedup p50", "throughput ratio", "size ratio"]
+          "peak RSS MB", "size MB", "speedup p50", "throughput ratio", "size ratio", "tokens kept (mean / p95)"]
 
 
 def _f(v: Any, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
+
+
+def _kept(stats: dict | None) -> str:
+    """A row's tokens kept per image: "mean / p95", or "all" for an encoder that reads every token."""
+    return "all" if not stats else f"{stats['mean']:.0f} / {stats['p95']:.0f}"
 
 
 def extra_splits(variants: Sequence[dict]) -> list[str]:
@@ -45,7 +50,7 @@ def table_rows(variants: Sequence[dict]) -> list[list[str]]:
                      _f(v.get("peak_mb"), ".0f"), _f(v["size_mb"], ".1f"),
                      _f(r.get("speedup_p50"), ".2f") + ("x" if r.get("speedup_p50") is not None else ""),
                      _f(r.get("throughput"), ".2f") + ("x" if r.get("throughput") is not None else ""),
-                     _f(r.get("size"), ".2f") + ("x" if r.get("size") is not None else "")]
+                     _f(r.get("size"), ".2f") + ("x" if r.get("size") is not None else ""), _kept(v.get("tokens_kept"))]
                     + [_f(v.get("splits", {}).get(name, {}).get(key), ".3f") for name in splits
                        for key in ("exact_match", "cer")])
     return rows

@@ -202,7 +202,7 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
                                   int(cfg.threads), cfg.workers, ctx.progress) if cfg.memory else {}
     phases.lap("peak memory")
     table, table_notes = rows.table(lineup, adapter, main.reads, {n: s.reads for n, s in other.items()}, latency,
-                                    memory)
+                                    memory, images)
     notes += table_notes
     source = f"file {cfg.formulas}" if cfg.formulas else f"corpus split '{cfg.split}'"
     metrics = {"shipped": lineup.shipped.label, "reference": lineup.reference.label, "n_formulas": len(truths),
