@@ -30,6 +30,7 @@ import onnxruntime as ort
 PROVIDER = "CPUExecutionProvider"
 DECODING = Path(__file__).resolve().parent.parent / "pipeline" / "decoding.py"
 DRAFTING = Path(__file__).resolve().parent.parent / "pipeline" / "drafting.py"
+POLICY = Path(__file__).resolve().parent.parent / "pipeline" / "tokens" / "policy.py"
 
 
 def by_path(path: Path, name: str):
@@ -39,8 +40,8 @@ def by_path(path: Path, name: str):
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: a dataclass looks its module up while it is made
         spec.loader.exec_module(module)
-        sys.modules[name] = module
     return sys.modules[name]
 
 
@@ -101,7 +102,11 @@ class Package:
 
     def encode(self, images: np.ndarray) -> np.ndarray:
         io = self.io["encoder"]
-        return self.sessions["encoder"].run([io["outputs"][0]], {io["inputs"][0]: images.astype(np.float32)})[0]
+        feed = {io["inputs"][0]: images.astype(np.float32)}
+        if self.meta.get("token_policy") is not None:  # the kept patch indices, as the package's runtime computes them
+            policy = by_path(POLICY, "formula_compress_token_policy").TokenPolicy.from_dict(self.meta["token_policy"])
+            feed[io["inputs"][1]] = policy.keep_batch(feed[io["inputs"][0]])
+        return self.sessions["encoder"].run([io["outputs"][0]], feed)[0]
 
     def first(self, input_ids: np.ndarray, memory: np.ndarray):
         names = self.io["decoder_first"]["inputs"]

@@ -196,3 +196,50 @@ def test_the_chain_hands_a_token_policy_from_prune_through_quantize_to_every_tar
         blank = np.ones((1, *meta["input_shape"]), np.float32)
         assert package.encode(blank).shape[1] == 8  # the floor
         assert package.generate(blank, 8, 1).token_ids  # a blank image reads (empty is fine), never a crash
+
+
+def test_the_policy_loads_alone_where_only_numpy_is():
+    """A runtime of its own (the MacaRT stand-in) loads pipeline/tokens/policy.py by file path: numpy and
+    the standard library, the project's error type only where the project is installed."""
+    import ast
+    from pathlib import Path
+
+    import pipeline.tokens.policy as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    roots = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    roots |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert roots - {"__future__", "dataclasses", "typing"} == {"numpy", "pipeline"}
+
+
+@pytest.mark.slow
+def test_a_metax_package_with_a_policy_reads_alike_on_onnxruntime_1_12(tmp_path):
+    """The Metax package of a model with a token policy, on ONNX Runtime 1.12.1 (MacaRT's base) through
+    tests/macart_decode.py, which computes the kept indices with the policy file alone."""
+    import macart_env
+
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages import export
+
+    try:
+        macart_env.macart_python()
+    except macart_env.MacaRTEnvError as exc:
+        pytest.fail(f"MacaRT stand-in unavailable: {exc}")
+    adapter = build_tiny()
+    adapter.set_token_policy({"buckets": [8, 16, 32], "frame_stride": 2})
+    adapter.save(tmp_path / "tiny-tokens")
+    (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:4]) + "\n")
+    ctx = fake_ctx(tmp_path, [f"export.model={tmp_path / 'tiny-tokens'}", "export.quantized=none", "target=metax",
+                              f"export.formulas={tmp_path / 'formulas.txt'}", "model.max_length=8",
+                              "export.parity_images=1", "export.parity_limit=1", "export.min_identical=0",
+                              "export.drafter=none"])
+    export.run(OmegaConf.to_object(ctx.cfg.export), ctx)
+    folder = tmp_path / "export-metax"
+    package = OnnxPackage(folder, threads=1)
+    images = np.stack([np.ones(package.meta["input_shape"], np.float32),
+                       *[package.preprocess(render_formula(f)) for f in FORMULAS[:5]]]).astype(np.float32)
+    np.save(tmp_path / "images.npy", images)
+    old = macart_env.decode(folder, tmp_path / "images.npy", tmp_path / "ort112.json", threads=1)
+    assert old["onnxruntime"] == "1.12.1"
+    assert old["sequences"] == package.generate(images, 8, batch_size=1).token_ids

@@ -1,7 +1,8 @@
 """The token policy: the patches that hold ink, their neighbours, and a coarse grid of real background
 patches that keeps the frame (where the formula sits, where it ends), padded up to a size bucket.
 
-Computed from the preprocessed image alone (numpy, no torch: a package's runtime imports it). A patch
+Computed from the preprocessed image alone (numpy, no torch: a package's runtime imports it, and a runtime
+of its own can load this file alone). A patch
 token of the default model is conv(patch) + its learned position embedding: keeping a patch is a gather
 of its index, and a batch needs no mask, since a shorter row is topped up with more of its own real
 patches (the next ones in its ranking) to the batch's bucket. Buckets keep the shapes few (TensorRT
@@ -15,7 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.errors import PipelineError
+try:  # the project's error (one line, exit 2); loaded by file path where only numpy is (the MacaRT stand-in)
+    from pipeline.errors import PipelineError
+except ImportError:  # pragma: no cover - exercised in the ONNX Runtime 1.12 venv
+    PipelineError = ValueError
 
 KIND = "ink"
 
