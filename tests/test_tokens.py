@@ -243,3 +243,38 @@ def test_a_metax_package_with_a_policy_reads_alike_on_onnxruntime_1_12(tmp_path)
     old = macart_env.decode(folder, tmp_path / "images.npy", tmp_path / "ort112.json", threads=1)
     assert old["onnxruntime"] == "1.12.1"
     assert old["sequences"] == package.generate(images, 8, batch_size=1).token_ids
+
+
+@pytest.mark.parametrize("encoder", ["vit", "deit"])
+def test_an_hf_encoder_reads_its_special_tokens_and_the_kept_patches(tmp_path, encoder):
+    """HF VisionEncoderDecoder: the class token(s) always kept (ViT one, DeiT two, I-JEPA none), the kept
+    patches gathered after the embeddings; every patch kept is the full encoder; the policy is saved."""
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter, tiny_model
+
+    folder = tiny_model(tmp_path / encoder, encoder, "trocr")
+    adapter = HfVisionEncoderDecoderAdapter.load(str(folder))
+    rows, cols, patch = adapter.token_grid()
+    images = torch.rand(2, *adapter.input_shape) * 2 - 1  # the normalized scale (mean 0.5, std 0.5)
+    every = torch.arange(rows * cols)[None].repeat(2, 1)
+    with torch.no_grad():
+        full = adapter.encode(images)
+        assert torch.allclose(adapter.encode_kept(images, every), full, atol=1e-5)
+        specials = full.shape[1] - rows * cols
+        assert specials == {"vit": 1, "deit": 2, "ijepa": 0}[encoder]
+        assert adapter.encode_kept(images, every[:, :5]).shape[1] == specials + 5
+    adapter.set_token_policy({"buckets": [4, 8, rows * cols]})
+    assert adapter.token_policy.ink_below == pytest.approx((250 / 255 - 0.5) / 0.5)  # on the normalized scale
+    blank = torch.ones(1, *adapter.input_shape)  # white, normalized
+    with torch.no_grad():
+        assert adapter.encode(blank).shape[1] == specials + 4
+    adapter.save(tmp_path / "saved")
+    assert HfVisionEncoderDecoderAdapter.load(str(tmp_path / "saved")).token_policy == adapter.token_policy
+
+
+def test_an_hf_model_whose_channels_are_normalized_apart_is_refused_in_one_line(tmp_path):
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter, tiny_model
+
+    adapter = HfVisionEncoderDecoderAdapter.load(str(tiny_model(tmp_path / "m", "vit", "trocr")))
+    adapter._spec = {**adapter._spec, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.2, 0.2]}
+    with pytest.raises(PipelineError, match="normalizes each channel differently"):
+        adapter.set_token_policy({})

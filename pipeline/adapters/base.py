@@ -237,7 +237,7 @@ class ModelAdapter(abc.ABC):
     def set_token_policy(self, settings: dict | None) -> None:
         """Read only the tokens :class:`~pipeline.tokens.policy.TokenPolicy` keeps (``settings``: its
         dilate / frame_stride / buckets / ink_below; None: every token again)."""
-        from pipeline.tokens.policy import for_grid
+        from pipeline.tokens.policy import INK_BELOW, for_grid
 
         if settings is None:
             self.token_policy = None
@@ -245,7 +245,13 @@ class ModelAdapter(abc.ABC):
         grid = self.token_grid()
         if grid is None:
             raise PipelineError(self.token_policy_refusal())
+        settings = dict(settings)  # ink_below: a grey level (0..1), on the scale the encoder's inputs have
+        settings["ink_below"] = self.preprocessed_level(float(settings.get("ink_below", INK_BELOW)))
         self.token_policy = for_grid(*grid, settings)
+
+    def preprocessed_level(self, level: float) -> float:
+        """A grey level (0 black .. 1 white) on the preprocessed images' scale (the default: the same)."""
+        return level
 
     def encode_kept(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Images [B, C, H, W] and kept patch indices [B, K] -> memory [B, K, D] (families with a token grid)."""

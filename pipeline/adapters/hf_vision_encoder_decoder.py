@@ -287,7 +287,13 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
             raise
         except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
             raise PipelineError(f"{folder}: the model does not load: {str(exc).splitlines()[0]}") from None
-        return cls(model.eval(), folder, config)
+        adapter = cls(model.eval(), folder, config)
+        policy = json.loads(own.read_text()).get("token_policy") if own.is_file() else None
+        if policy is not None:  # a model recovered to read only some of its patch tokens
+            from pipeline.tokens.policy import TokenPolicy
+
+            adapter.token_policy = TokenPolicy.from_dict(policy, f"{own}: token_policy")
+        return adapter
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_model
@@ -300,7 +306,9 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
             if (self.folder / name).resolve() != (folder / name).resolve():  # saved in place: already there
                 shutil.copyfile(self.folder / name, folder / name)
         (folder / OWN).write_text(json.dumps({"family": self.family, "encoder_heads": self.encoder_head_counts(),
-                                              "preprocess": self._spec}, indent=2) + "\n")
+                                              "preprocess": self._spec,
+                                              **({"token_policy": self.token_policy.to_dict()}
+                                                 if self.token_policy is not None else {})}, indent=2) + "\n")
 
     @classmethod
     def _config(cls, source: str) -> dict:
@@ -393,9 +401,55 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:
+        if self.token_policy is not None:
+            return self.encode_kept(images, self.keep_indices(images))
         memory = self.model.encoder(pixel_values=images.to(self.device)).last_hidden_state
         proj = getattr(self.model, "enc_to_dec_proj", None)
         return proj(memory) if proj is not None else memory
+
+    def encode_kept(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The encoder on its special tokens (ViT's class token, DeiT's two; I-JEPA has none), always kept,
+        and the kept patches: the embeddings gathered, then the layers and the final LayerNorm."""
+        enc = self.model.encoder
+        x = enc.embeddings(images.to(self.device))
+        specials = x.shape[1] - self._grid()[0] * self._grid()[1]
+        keep = keep.to(x.device)
+        index = torch.cat([torch.arange(specials, device=x.device).expand(keep.shape[0], -1), keep + specials], 1)
+        x = torch.gather(x, 1, index[:, :, None].expand(-1, -1, x.shape[-1]))
+        for layer in enc.layers:  # ViTModel.forward's loop (no attention mask: every token is real)
+            x = layer(x, None)
+        x = enc.layernorm(x)
+        proj = getattr(self.model, "enc_to_dec_proj", None)
+        return proj(x) if proj is not None else x
+
+    def _grid(self) -> tuple[int, int]:
+        p = int(self.model.config.encoder.patch_size)
+        return self._shape[1] // p, self._shape[2] // p
+
+    def token_grid(self) -> tuple[int, int, int] | None:
+        if self.token_policy_refusal_reason() is not None:
+            return None
+        return (*self._grid(), int(self.model.config.encoder.patch_size))
+
+    def token_policy_refusal_reason(self) -> str | None:
+        spec = self._spec
+        if len(set(spec.get("image_mean", [0.0]))) > 1 or len(set(spec.get("image_std", [1.0]))) > 1:
+            return (f"a token policy reads ink on one grey scale; {self.folder.name}'s image processor normalizes each "
+                    f"channel differently (image_mean {spec['image_mean']}, image_std {spec['image_std']})")
+        if not all(hasattr(self.model.encoder, n) for n in ("embeddings", "layers", "layernorm")):
+            return (f"{type(self.model.encoder).__name__} has no embeddings, layers and final LayerNorm to read a "
+                    f"subset of its tokens through")
+        return None
+
+    def token_policy_refusal(self) -> str:
+        return self.token_policy_refusal_reason() or super().token_policy_refusal()
+
+    def preprocessed_level(self, level: float) -> float:
+        spec = self._spec
+        x = level * 255.0 * float(spec["rescale_factor"]) if spec["do_rescale"] else level * 255.0
+        if spec["do_normalize"]:
+            x = (x - float(spec["image_mean"][0])) / float(spec["image_std"][0])
+        return x
 
     def decode_logits(self, tokens: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         out = self.model.decoder(input_ids=tokens.to(self.device), encoder_hidden_states=memory.to(self.device),

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - exercised in the ONNX Runtime 1.12 ven
     PipelineError = ValueError
 
 KIND = "ink"
+INK_BELOW = 250 / 255  # a pixel darker than this grey level (0 black .. 1 white) is ink (pipeline/data/render.py)
 
 # a patch's rank, the order tokens are kept in (ties by index): ink first, the frame before filler
 INK, NEIGHBOUR, FRAME, FILL, REST = range(5)
@@ -33,7 +34,7 @@ class TokenPolicy:
     grid_h: int                      # patch rows and columns of the model's input
     grid_w: int
     patch: int                       # pixels a patch side
-    ink_below: float = 250 / 255     # a patch holding a pixel darker than this (preprocessed scale) holds ink
+    ink_below: float = INK_BELOW     # a patch holding a pixel darker than this (preprocessed scale) holds ink
     dilate: int = 1                  # ink patches' neighbours kept, this many patches around (Chebyshev)
     frame_stride: int = 4            # plus every frame_stride-th patch of rows and columns (0: none)
     buckets: tuple[int, ...] = field(default=(128, 256, 384, 1024))  # kept counts, padded up; smallest = floor
