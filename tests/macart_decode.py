@@ -39,8 +39,8 @@ def by_path(path: Path, name: str):
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: a dataclass looks its module up there
         spec.loader.exec_module(module)
-        sys.modules[name] = module
     return sys.modules[name]
 
 

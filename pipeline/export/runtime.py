@@ -13,8 +13,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline import drafting, interrupts, schema
-from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import (LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
+from pipeline.decoding import (DecodeResult, LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
                                speculative_greedy)
 from pipeline.errors import PipelineError
 from pipeline.preprocessing import preprocess
