@@ -58,9 +58,8 @@ class TritonServer:
         stub = server / "python_backend_stubs" / layout["version"] / "triton_python_backend_stub"
         if not stub.is_file():
             raise RuntimeError(f"nvidia-pytriton has no Python backend stub for Python {layout['version']}")
-        backends = work / "backends"
-        (backends / "python").mkdir(parents=True)
-        shutil.copy2(server / "backends" / "python" / "libtriton_python.so", backends / "python")
+        backends = work / "backends"  # the backend (its .so and triton_python_backend_utils.py) and its stub
+        shutil.copytree(server / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(stub, backends / "python" / "triton_python_backend_stub")
         self.http_port, self.metrics_port = _free_port(), _free_port()
         env = {**os.environ,
@@ -97,7 +96,8 @@ class TritonServer:
             return r.read().decode("utf-8")
 
     def log_tail(self, chars: int = 3000) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self) -> None:
