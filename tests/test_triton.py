@@ -116,7 +116,9 @@ def test_a_tensorrt_repository_fits_the_engines_profiles_and_bad_settings_fail_b
     for overrides, needle in (
             (["export.triton.max_batch_size=2"], r"preferred_batch_sizes must be in \[1, max_batch_size=2\]"),
             (["export.triton.instances=0"], "instances must be >= 1"),
-            (["export.triton.max_queue_delay_us=-1"], "max_queue_delay_us must be >= 0")):
+            (["export.triton.max_queue_delay_us=-1"], "max_queue_delay_us must be >= 0"),
+            (["export.targets=[ort_cpu,tensorrt]", "export.triton.max_batch_size=32"],
+             "max_batch_size=32 exceeds export.trt_max_batch=16")):
         cfg = OmegaConf.to_object(compose_cfg(["stage=export", *overrides]).export)
         with pytest.raises(PipelineError, match=needle):
             export.validate(cfg)

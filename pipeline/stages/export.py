@@ -264,7 +264,9 @@ def validate(cfg: ExportConfig) -> None:
     if cfg.drafter == "student" and cfg.student_min_match > cfg.ngram_order:
         raise PipelineError(f"export.student_min_match must be <= export.ngram_order ({cfg.ngram_order}), "
                             f"got {cfg.student_min_match}")
-    cfg.triton.check()
+    # a TensorRT package's Triton batches fit its engines' profiles (the `target` group alone is checked
+    # when its package starts, before the work)
+    cfg.triton.check(cfg.trt_max_batch if "tensorrt" in cfg.targets else None)
     if cfg.draft_len > VERIFY_WIDTH - 1:
         raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
                             f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
