@@ -2,15 +2,12 @@
 
 Fast: the runtime model.py imports needs no torch; the repository is written byte for byte the same,
 parses with Triton's own schema (tritonclient's ``model_config_pb2``) and the export validator names
-every way a repository breaks its contract. Slow: the real model's ort_cpu package holds its repository,
-served by a real tritonserver 2.51 (the side venv of ``make triton``; skipped without it, except in CI):
-8 images sent at once read as ``stage=infer`` reads them, Triton's metrics show fewer model executions
-than requests (dynamic batching), and a request that is not an image gets an error of its own.
+every way a repository breaks its contract. The real model's package, its repository checked
+(test_export_stage.py) and served by a real tritonserver (test_infer.py), shares those modules' export.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,80 +130,3 @@ def test_a_tensorrt_repository_fits_the_engines_profiles_and_bad_settings_fail_b
     bad.triton_instance_kind = "KIND_TPU"
     with pytest.raises(PipelineError, match="triton_instance_kind must be one of KIND_CPU, KIND_GPU"):
         resolve_target(bad)
-
-
-# ---- the real model's package on a real tritonserver -----------------------------------------------
-SERVED = [r"x_1 + x_2", r"e^{i\pi}+1=0", r"\frac{a}{b}", r"\sqrt{x}", r"a^2+b^2=c^2", r"\alpha\beta",
-          r"\sum_i x_i", r"y=mx+c"]  # 8 images sent at once
-
-
-@pytest.fixture(scope="module")
-def ort_pkg() -> Path:
-    from export_session import ort_package
-
-    return ort_package()
-
-
-@pytest.mark.slow
-def test_the_exported_package_holds_a_valid_triton_repository(ort_pkg):
-    meta = json.loads((ort_pkg / "package.json").read_text())
-    assert meta["triton"]["instance_kind"] == "KIND_CPU" and meta["triton"]["model"] == triton.MODEL
-    assert check_triton_repository(ort_pkg, meta, "KIND_CPU") == []
-    manifest = json.loads((ort_pkg / "manifest.json").read_text())
-    assert f"triton/{triton.MODEL}/config.pbtxt" in manifest["outputs"]
-
-
-@pytest.fixture(scope="module")
-def side_python():
-    from triton_env import side_python as find
-
-    python = find()
-    if python is None:
-        reason = "no Triton side environment (.venv-triton): run `make triton` to serve a package on tritonserver"
-        if os.environ.get("CI") == "true":  # CI makes it (.ci/run): a missing one is a broken CI, not a skip
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return python
-
-
-@pytest.mark.slow
-def test_a_real_tritonserver_serves_the_package_batching_requests_and_refusing_a_non_image(
-        ort_pkg, side_python, tmp_path):
-    import shutil
-
-    from conftest import make_ctx
-    from pipeline.data.render import render_formula
-    from pipeline.stages import infer
-    from triton_env import TritonServer, metric, query
-
-    images = tmp_path / "images"
-    images.mkdir()
-    for i, latex in enumerate(SERVED):
-        render_formula(latex).save(images / f"f{i}.png")
-    package = tmp_path / "package"  # a copy: the server's Python leaves nothing in the test's package
-    shutil.copytree(ort_pkg, package)
-    ctx = make_ctx(tmp_path / "artifacts", [f"infer.package={package}", f"infer.image={images}"])
-    want = infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)["predictions"]
-    not_image = tmp_path / "notes.png"
-    not_image.write_bytes(b"not an image at all")
-
-    server = TritonServer(side_python, package / triton.REPOSITORY, tmp_path / "server")
-    try:
-        server.wait_ready()
-        got = query(side_python, server.url, package, [*sorted(images.glob("*.png")), not_image])
-        metrics = server.metrics()
-    finally:
-        server.stop()
-    log = server.log_tail()
-    assert {name: got[name].get("latex") for name in want} == want, log
-    assert "error" in got[not_image.name] and triton_model_error() in got[not_image.name]["error"], got
-    executions = metric(metrics, "nv_inference_exec_count", triton.MODEL)
-    requests = metric(metrics, "nv_inference_count", triton.MODEL)
-    assert requests >= len(SERVED)
-    assert executions < len(SERVED), f"{executions} executions for {requests} requests: no batching"
-
-
-def triton_model_error() -> str:
-    from pipeline.export.triton_model import IMAGE_ERROR
-
-    return IMAGE_ERROR
