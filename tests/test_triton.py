@@ -130,3 +130,20 @@ def test_a_tensorrt_repository_fits_the_engines_profiles_and_bad_settings_fail_b
     bad.triton_instance_kind = "KIND_TPU"
     with pytest.raises(PipelineError, match="triton_instance_kind must be one of KIND_CPU, KIND_GPU"):
         resolve_target(bad)
+
+
+def test_a_tensorrt_package_asks_for_tensorrt_then_cuda_then_the_cpu():
+    """The runtime's providers (what model.py gets on a GPU host): the package's own with its options,
+    CUDA where TensorRT leaves a node or is missing (only the device id handed on), the CPU last."""
+    from pipeline.export.runtime import provider_chain
+
+    gpu = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    options = {"device_id": 1, "trt_fp16_enable": True}
+    assert provider_chain("TensorrtExecutionProvider", gpu, options) == [
+        ("TensorrtExecutionProvider", {"device_id": "1", "trt_fp16_enable": "True"}),
+        ("CUDAExecutionProvider", {"device_id": "1"}), "CPUExecutionProvider"]
+    assert provider_chain("TensorrtExecutionProvider", gpu[1:], {}) == [("CUDAExecutionProvider", {}),
+                                                                       "CPUExecutionProvider"]
+    assert provider_chain("TensorrtExecutionProvider", ["CPUExecutionProvider"], options) == ["CPUExecutionProvider"]
+    assert provider_chain("CPUExecutionProvider", gpu, {}) == ["CPUExecutionProvider"]
+    assert provider_chain("MACAExecutionProvider", gpu, {"device_id": 0}) == ["CPUExecutionProvider"]

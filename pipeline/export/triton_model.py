@@ -22,6 +22,8 @@ import io
 import json
 from pathlib import Path
 
+IMAGE_ERROR = "not a readable image"  # the start of a bad request's error message
+
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
@@ -86,6 +88,3 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.package = None
-
-
-IMAGE_ERROR = "not a readable image"  # the start of a bad request's error message
