@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 
-.PHONY: run test venv clean-venv
+.PHONY: run test venv triton clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,21 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# The side venv tests/test_triton.py serves a package's Triton repository from: a real tritonserver 2.51
+# with its Python backend (nvidia-pytriton's wheel, no Docker), onnxruntime with numpy < 2 (the Python
+# backend's), pillow, tokenizers and tritonclient[http]; every package pinned in requirements-triton.txt.
+# CI makes it before the tests (.ci/run); without it the test skips, saying so.
+TRITON_VENV ?= .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+
+$(TRITON_STAMP): requirements-triton.txt
+	rm -rf $(TRITON_VENV)
+	$(PY) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements-triton.txt
+	touch $(TRITON_STAMP)
+
+triton: $(TRITON_STAMP)
+
 # Main job on the default model: the chain (prune, tokenizer, calibrate, quantize, export), then the
 # benchmark of every variant on the eval and shift splits and artifacts/summary.md.
 run: $(STAMP)
@@ -35,4 +50,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV) .venv-macart
+	rm -rf $(VENV) .venv-macart $(TRITON_VENV)

@@ -107,6 +107,9 @@ class TargetConfig:
     # shift 146 / 102; docs/export.md).
     # A GPU: false (a batched step costs about what one row's does: the premise, untimed)
     speculative_batches: bool = True
+    # the Triton model repository export writes into this target's packages (triton/, docs/triton.md):
+    # its instance_group's kind, KIND_CPU or KIND_GPU; null: none (metax: Triton has no MACA backend)
+    triton_instance_kind: Optional[str] = None
 
 
 def _root_fields() -> list[tuple[str, Any, Any]]:

@@ -20,9 +20,24 @@ No torch and no other module of this project here: the package runtime loads it,
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+
+
+@dataclass
+class DecodeResult:
+    """Greedy decoding output plus where the time went."""
+
+    token_ids: list[list[int]]
+    texts: list[str]
+    encoder_seconds: float = 0.0
+    decoder_seconds: float = 0.0
+    steps: list[int] = field(default_factory=list)  # decode steps per sample
+    hit_cap: list[bool] = field(default_factory=list)  # stopped by max_length, not by EOS
+    calls: list[int] = field(default_factory=list)  # decoder calls per sample (speculative decoding: fewer
+                                                     # than steps); empty: one per step
 
 # what the metric's normalization drops as layout (pipeline/metrics.py), one atom each
 LAYOUT_ATOM = re.compile(r"\\(?:quad|qquad|scriptstyle|scriptscriptstyle|displaystyle|textstyle)"

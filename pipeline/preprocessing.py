@@ -7,7 +7,7 @@ package's runtime reads images with numpy and PIL alone.
 
 Kinds:
 
-* ``latex_ocr_junia.canvas``: the default model's ink crop on a white canvas (its adapter's helpers).
+* ``latex_ocr_junia.canvas``: the default model's ink crop on a white canvas (its adapter uses the same helpers).
 * ``hf_image_processor``: the resize / center crop / rescale / normalize pipeline of Hugging Face's
   ViT, DeiT and BEiT image processors, as data (:func:`hf_preprocess_spec` builds it from a
   ``preprocessor_config.json``); its output equals ``ViTImageProcessor(...)(image).pixel_values[0]``.
@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
+from pipeline.data.render import INK_THRESHOLD, crop_to_ink
 from pipeline.errors import PipelineError, SchemaError
 from pipeline.schema import INT, PREPROCESS, Spec, check_fields
 
@@ -64,11 +65,51 @@ def preprocess(image: Image.Image, spec: dict) -> np.ndarray:
 
 
 # ---- latex_ocr_junia.canvas ----------------------------------------------------------------------
+CANVAS_MARGIN = 8  # px of white kept around the formula when it has to shrink
+
+
+def to_grey(image: Image.Image) -> Image.Image:
+    """Any PIL mode (RGB, RGBA, LA, P, 16-bit, float) -> 8-bit grey, transparency on white."""
+    if image.width == 0 or image.height == 0:
+        raise ValueError("image has zero size")
+    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        arr = np.asarray(image, dtype=np.float64)
+        hi = float(arr.max())
+        scale = 65535.0 if image.mode.startswith("I;16") or hi > 255 else 255.0
+        if image.mode == "F" and hi <= 1.0:
+            scale = 1.0
+        arr = np.clip(arr / scale * 255.0, 0, 255)
+        return Image.fromarray(arr.astype(np.uint8), mode="L")
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        background.alpha_composite(image.convert("RGBA"))
+        image = background
+    return image.convert("L")
+
+
+def place_on_canvas(grey: Image.Image, height: int, width: int, margin: int = CANVAS_MARGIN) -> Image.Image:
+    """The training layout: ink crop centred on a white canvas, shrunk (never enlarged) to fit."""
+    arr = np.asarray(grey)
+    if arr.size and np.median(np.concatenate([arr[0], arr[-1], arr[:, 0], arr[:, -1]])) < 128:
+        grey = Image.fromarray(255 - arr)  # white ink on black: the model reads black on white
+    crop = crop_to_ink(grey, INK_THRESHOLD)
+    canvas = Image.new("L", (width, height), 255)
+    if crop is None:
+        return canvas
+    w, h = crop.size
+    scale = min(1.0, (width - 2 * margin) / w, (height - 2 * margin) / h)
+    if scale < 1.0:
+        crop = crop.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
+        w, h = crop.size
+    canvas.paste(crop, ((width - w) // 2, (height - h) // 2))
+    return canvas
+
+
 @register_preprocessor("latex_ocr_junia.canvas", {"margin": INT(0), "scale": Spec("number", min=1e-9)})
 def _canvas(image: Image.Image, spec: dict) -> np.ndarray:
     """Any image -> 8-bit grey -> ink crop centred on a white canvas -> float32 / scale, [1, H, W]."""
-    from pipeline.adapters.latex_ocr_junia import place_on_canvas, to_grey
-
     canvas = place_on_canvas(to_grey(image), int(spec["height"]), int(spec["width"]), int(spec["margin"]))
     return (np.asarray(canvas, dtype=np.float32) / float(spec["scale"]))[None]
 

@@ -325,3 +325,17 @@ def test_a_quantization_aware_finetuned_package_is_held_to_reading_as_well_not_t
     for qat, expected in (({"steps": 200, "planned_steps": 200}, True), ({}, False), ({"steps": 0}, False)):
         (folder / "manifest.json").write_text(json.dumps({"metrics": {"qat": qat}}))
         assert _finetuned(encoder) is expected, qat
+
+
+def test_the_package_holds_a_triton_repository_the_validator_passes(ort_pkg):
+    """ort_cpu: triton/ with config.pbtxt (Triton's own schema), model.py and the runtime beside it
+    (tests/test_triton.py: the writer and the validator alone; test_infer.py: served by tritonserver)."""
+    from pipeline.export import triton
+    from pipeline.export.validator import check_triton_repository
+
+    meta = json.loads((ort_pkg / "package.json").read_text())
+    assert meta["triton"]["instance_kind"] == "KIND_CPU" and meta["triton"]["model"] == triton.MODEL
+    assert check_triton_repository(ort_pkg, meta, "KIND_CPU") == []
+    manifest = json.loads((ort_pkg / "manifest.json").read_text())
+    assert f"triton/{triton.MODEL}/config.pbtxt" in manifest["outputs"]
+    assert f"triton/{triton.MODEL}/1/model.py" in manifest["outputs"]

@@ -1,6 +1,9 @@
 """The runner on a small real subset: ``stage=infer`` reads rendered formulas with the exported
-package alone, batched or not; bad input is one clear error. (The benchmark: test_benchmark.py.)"""
+package alone, batched or not; bad input is one clear error; the package's Triton repository served
+by a real tritonserver reads as ``stage=infer`` does. (The benchmark: test_benchmark.py.)"""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -93,3 +96,57 @@ def test_infer_bad_input_is_one_clear_error(pkg, image_dir, tmp_path):
     with pytest.raises(PipelineError, match="decoder_step.onnx missing"):
         run(broken, image_dir)
 
+
+# ---- the package's Triton repository on a real tritonserver (docs/triton.md) ------------------------
+SERVED = [r"x_1 + x_2", r"e^{i\pi}+1=0", r"\frac{a}{b}", r"\sqrt{x}", r"a^2+b^2=c^2", r"\alpha\beta",
+          r"\sum_i x_i", r"y=mx+c"]  # 8 images sent at once
+
+
+@pytest.fixture(scope="module")
+def side_python():
+    from triton_env import side_python as find
+
+    python = find()
+    if python is None:
+        reason = "no Triton side environment (.venv-triton): run `make triton` to serve a package on tritonserver"
+        if os.environ.get("CI") == "true":  # CI makes it (.ci/run): a missing one is a broken CI, not a skip
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return python
+
+
+def test_a_real_tritonserver_serves_the_package_batching_requests_and_refusing_a_non_image(
+        pkg, side_python, tmp_path):
+    import shutil
+
+    from pipeline.data.render import render_formula
+    from pipeline.export import triton
+    from pipeline.export.triton_model import IMAGE_ERROR
+    from pipeline.stages import infer
+    from triton_env import TritonServer, metric, query
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, latex in enumerate(SERVED):
+        render_formula(latex).save(images / f"f{i}.png")
+    package = tmp_path / "package"  # a copy: the server's Python leaves nothing in the test's package
+    shutil.copytree(pkg, package)
+    ctx = make_ctx(tmp_path / "artifacts", [f"infer.package={package}", f"infer.image={images}"])
+    want = infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)["predictions"]
+    not_image = tmp_path / "notes.png"
+    not_image.write_bytes(b"not an image at all")
+
+    server = TritonServer(side_python, package / triton.REPOSITORY, tmp_path / "server")
+    try:
+        server.wait_ready()
+        got = query(side_python, server.url, package, [*sorted(images.glob("*.png")), not_image])
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    log = server.log_tail()
+    assert {name: got[name].get("latex") for name in want} == want, log
+    assert "error" in got[not_image.name] and IMAGE_ERROR in got[not_image.name]["error"], got
+    executions = metric(metrics, "nv_inference_exec_count", triton.MODEL)
+    requests = metric(metrics, "nv_inference_count", triton.MODEL)
+    assert requests >= len(SERVED)
+    assert executions < len(SERVED), f"{executions} executions for {requests} requests: no batching"

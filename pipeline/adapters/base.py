@@ -19,7 +19,8 @@ from PIL import Image
 from torch import nn
 
 from pipeline import interrupts
-from pipeline.decoding import LayoutGuard, greedy
+# DecodeResult lives beside the loops that fill it (torch-free: the package runtime and Triton's model read it)
+from pipeline.decoding import DecodeResult, LayoutGuard, greedy  # noqa: F401
 from pipeline.errors import PipelineError
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
@@ -51,20 +52,6 @@ def _import_builtin_adapters() -> None:
 
     for module in BUILTIN_ADAPTERS.values():
         importlib.import_module(module)
-
-
-@dataclass
-class DecodeResult:
-    """Greedy decoding output plus where the time went."""
-
-    token_ids: list[list[int]]
-    texts: list[str]
-    encoder_seconds: float = 0.0
-    decoder_seconds: float = 0.0
-    steps: list[int] = field(default_factory=list)  # decode steps per sample
-    hit_cap: list[bool] = field(default_factory=list)  # stopped by max_length, not by EOS
-    calls: list[int] = field(default_factory=list)  # decoder calls per sample (speculative decoding: fewer
-                                                     # than steps); empty: one per step
 
 
 @runtime_checkable

@@ -24,15 +24,16 @@ from safetensors.torch import load_file, save_file
 from pipeline import schema
 from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
 from pipeline.adapters.base import ModelAdapter, register_adapter
-from pipeline.data.render import INK_THRESHOLD, crop_to_ink
+from pipeline.data.render import INK_THRESHOLD
 from pipeline.errors import PipelineError, SchemaError
+# the canvas is the package's preprocessing too (torch-free, beside its registered kind)
+from pipeline.preprocessing import CANVAS_MARGIN, place_on_canvas, to_grey  # noqa: F401
 from pipeline.schema import load_char_tokenizer, load_json
 from pipeline.tokenization.bpe import BpeTokenizer, token_strings
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
-CANVAS_MARGIN = 8  # px of white kept around the formula when it has to shrink
 
 
 def package_assets() -> Path:
@@ -68,45 +69,6 @@ def safe_load_checkpoint(path: Path, trust: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
         raise PipelineError(f"corrupt checkpoint {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
-
-
-def to_grey(image: Image.Image) -> Image.Image:
-    """Any PIL mode (RGB, RGBA, LA, P, 16-bit, float) -> 8-bit grey, transparency on white."""
-    if image.width == 0 or image.height == 0:
-        raise ValueError("image has zero size")
-    if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        arr = np.asarray(image, dtype=np.float64)
-        hi = float(arr.max())
-        scale = 65535.0 if image.mode.startswith("I;16") or hi > 255 else 255.0
-        if image.mode == "F" and hi <= 1.0:
-            scale = 1.0
-        arr = np.clip(arr / scale * 255.0, 0, 255)
-        return Image.fromarray(arr.astype(np.uint8), mode="L")
-    if image.mode == "P":
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA"):
-        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        background.alpha_composite(image.convert("RGBA"))
-        image = background
-    return image.convert("L")
-
-
-def place_on_canvas(grey: Image.Image, height: int, width: int, margin: int = CANVAS_MARGIN) -> Image.Image:
-    """The training layout: ink crop centred on a white canvas, shrunk (never enlarged) to fit."""
-    arr = np.asarray(grey)
-    if arr.size and np.median(np.concatenate([arr[0], arr[-1], arr[:, 0], arr[:, -1]])) < 128:
-        grey = Image.fromarray(255 - arr)  # white ink on black: the model reads black on white
-    crop = crop_to_ink(grey, INK_THRESHOLD)
-    canvas = Image.new("L", (width, height), 255)
-    if crop is None:
-        return canvas
-    w, h = crop.size
-    scale = min(1.0, (width - 2 * margin) / w, (height - 2 * margin) / h)
-    if scale < 1.0:
-        crop = crop.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BILINEAR)
-        w, h = crop.size
-    canvas.paste(crop, ((width - w) // 2, (height - h) // 2))
-    return canvas
 
 
 def _patch_grid(model_config: Any) -> tuple[int, int]:

@@ -15,8 +15,7 @@ import numpy as np
 from PIL import Image
 
 from pipeline import denormals, drafting, interrupts, schema
-from pipeline.adapters.base import DecodeResult
-from pipeline.decoding import (LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
+from pipeline.decoding import (DecodeResult, LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
                                speculative_greedy)
 from pipeline.errors import PipelineError
 from pipeline.preprocessing import preprocess
@@ -130,6 +129,22 @@ def batch_runs(n: int, batch_size: int, parts: int) -> list[tuple[int, int]]:
     return [(i, min(i + per, n)) for i in range(0, n, per)] or [(0, 0)]
 
 
+# where a package's provider is missing, or leaves nodes it cannot run: the next ones tried, before the CPU
+PROVIDER_FALLBACKS = {"TensorrtExecutionProvider": ("CUDAExecutionProvider",)}
+
+
+def provider_chain(wanted: str, available: list[str], options: dict) -> list:
+    """ONNX Runtime's providers for a package made for ``wanted``: it (with ``options``) and its fallbacks
+    (:data:`PROVIDER_FALLBACKS`, with ``device_id`` where given) where this onnxruntime has them, then the CPU.
+    The CPU alone where none is here: the reference runtime checks a package for any accelerator."""
+    chain: list = []
+    for name in (wanted, *PROVIDER_FALLBACKS.get(wanted, ())):
+        if name in available and name != "CPUExecutionProvider":
+            own = options if name == wanted else {k: v for k, v in options.items() if k == "device_id"}
+            chain.append((name, {k: str(v) for k, v in own.items()}))
+    return [*chain, "CPUExecutionProvider"]
+
+
 class OnnxPackage:
     """An exported package: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx`` + JSON;
     with ``decoder_verify.onnx`` and a drafter (``package.json: drafter``), speculative decoding.
@@ -140,7 +155,7 @@ class OnnxPackage:
     CPU's), else in plain greedy steps (rows would accept drafts of different lengths)."""
 
     def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True,
-                 flush_denormals: bool | None = None):
+                 provider_options: dict | None = None, flush_denormals: bool | None = None):
         import onnxruntime as ort
 
         self.folder = Path(folder)
@@ -153,12 +168,9 @@ class OnnxPackage:
         check_spec(self.preprocess_spec, f"{PREPROCESS} in {self.folder}")  # its kind's own fields, before any image
         self.tokenizer = package_tokenizer(self.folder / TOKENIZER, self.meta)
         wanted = provider or self.meta.get("provider", "CPUExecutionProvider")
-        available = ort.get_available_providers()
-        # the reference runtime: a package for another accelerator is checked on ORT CPU here
-        self.provider = wanted if wanted in available else "CPUExecutionProvider"
-        options = self.meta.get("provider_options") or {}
-        providers = ["CPUExecutionProvider"] if self.provider == "CPUExecutionProvider" \
-            else [(self.provider, {k: str(v) for k, v in options.items()}), "CPUExecutionProvider"]
+        options = {**(self.meta.get("provider_options") or {}), **(provider_options or {})}
+        providers = provider_chain(wanted, ort.get_available_providers(), options)
+        self.provider = providers[0] if isinstance(providers[0], str) else providers[0][0]
         # the package's session config (packages from before it was recorded: this runtime's defaults);
         # flush_denormals overrides its denormal entry (the benchmark's plain row: what users ran before)
         config = {**session_config(), **(self.meta.get("session_config") or {})}

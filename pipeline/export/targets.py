@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from pipeline.errors import PipelineError
+from pipeline.export.triton import INSTANCE_KINDS as TRITON_INSTANCE_KINDS
 from pipeline.export.validator import FLOAT_ONLY_OPS, MIN_OPSET, Rules
 
 KNOWN = ("ort_cpu", "tensorrt", "metax")
@@ -23,6 +24,7 @@ class Target:
     draft_tail: int
     speculative_batches: bool   # a batch's rows decoded speculatively one by one (true) or in greedy steps
     required_provider_options: tuple[str, ...] = ()
+    triton_instance_kind: Optional[str] = None  # KIND_CPU | KIND_GPU: a Triton repository in the package
 
 
 def resolve_target(tcfg: Any) -> Target:
@@ -53,9 +55,14 @@ def resolve_target(tcfg: Any) -> Target:
         raise PipelineError(f"target.draft_min_confidence must be in [0, 1], got {tcfg.draft_min_confidence}")
     if int(tcfg.draft_tail) < 0:
         raise PipelineError(f"target.draft_tail must be >= 0, got {tcfg.draft_tail}")
+    kind = tcfg.triton_instance_kind
+    if kind is not None and str(kind) not in TRITON_INSTANCE_KINDS:
+        raise PipelineError(f"target.triton_instance_kind must be one of {', '.join(TRITON_INSTANCE_KINDS)} or "
+                            f"null (no Triton repository), got {kind!r}")
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
                   float(tcfg.draft_min_confidence), int(tcfg.draft_tail), bool(tcfg.speculative_batches),
-                  tuple(str(k) for k in tcfg.required_provider_options or ()))
+                  tuple(str(k) for k in tcfg.required_provider_options or ()),
+                  None if kind is None else str(kind))
 
 
 def target_configs(names, chosen) -> dict[str, Any]:

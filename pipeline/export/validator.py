@@ -7,6 +7,7 @@ per-channel and activations per-tensor (MacaRT), and LayerNorm / Softmax / GELU 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -111,4 +112,88 @@ def _check_qdq(node, name, graph, rules: Rules, const, producer) -> list[Violati
             found.append(Violation(graph, name, node.op_type, "per-tensor weight scale, need per-channel"))
     if node.op_type == "QuantizeLinear" and rules.per_tensor_activations and scale.size != 1:
         found.append(Violation(graph, name, node.op_type, f"per-channel activation scale ({scale.size}), need per-tensor"))
+    return found
+
+
+def check_triton_repository(folder: Path, meta: dict, kind: str, max_batch: Optional[int] = None) -> list[str]:
+    """Every way ``<folder>/triton/`` breaks its contract (``pipeline/export/triton.py``), one line each:
+    each ``config.pbtxt`` parses with Triton's own schema (``model_config_pb2``) and declares the Python
+    backend, a batch size, dynamic batching and an instance group of ``kind``; its input and output are the
+    names and shapes ``model.py`` reads and ``package.json: triton`` records; ``model.py`` and the runtime's
+    modules lie beside it as export writes them; the package it names is this one. ``max_batch``: the
+    largest batch the package's graphs take (the TensorRT profiles'), where they have one."""
+    from pipeline.errors import PipelineError
+    from pipeline.export import triton
+
+    found: list[str] = []
+    repo = folder / triton.REPOSITORY
+    entry = meta.get("triton")
+    if not repo.is_dir():
+        return [f"{triton.REPOSITORY}/ is missing"]
+    if not isinstance(entry, dict):
+        return ["package.json has no 'triton' entry"]
+    models = sorted(p.name for p in repo.iterdir() if p.is_dir())
+    if models != [triton.MODEL] or entry.get("model") != triton.MODEL:
+        found.append(f"{triton.REPOSITORY}/ holds models {models}, package.json names {entry.get('model')!r}; "
+                     f"want [{triton.MODEL!r}]")
+    for model in models:
+        where = f"{triton.REPOSITORY}/{model}/{triton.CONFIG_FILE}"
+        path = repo / model / triton.CONFIG_FILE
+        if not path.is_file():
+            found.append(f"{where} is missing")
+            continue
+        try:
+            config = triton.parse_config(path.read_text(encoding="utf-8"), where)
+        except PipelineError as exc:
+            found.append(str(exc))
+            continue
+        found += [f"{where}: {p}" for p in _triton_config_problems(config, model, entry, kind, max_batch)]
+        version = repo / model / triton.VERSION
+        model_py = version / triton.MODEL_FILE
+        if not model_py.is_file() or model_py.read_bytes() != triton.TEMPLATE.read_bytes():
+            found.append(f"{triton.REPOSITORY}/{model}/{triton.VERSION}/{triton.MODEL_FILE} is missing or not "
+                         f"the one export writes")
+        for name, source in triton.runtime_modules().items():
+            rel = triton.vendored_path(name, source)
+            if not (version / rel).is_file() or (version / rel).read_bytes() != source.read_bytes():
+                found.append(f"{triton.REPOSITORY}/{model}/{triton.VERSION}/{rel} (the runtime model.py imports) "
+                             f"is missing or differs from {name}")
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        named = (repo / model / params.get(triton.PACKAGE_PARAMETER, "")).resolve()
+        if triton.PACKAGE_PARAMETER not in params or named != folder.resolve():
+            found.append(f"{where}: parameter {triton.PACKAGE_PARAMETER!r} "
+                         f"({params.get(triton.PACKAGE_PARAMETER)!r}) does not name this package")
+    return found
+
+
+def _triton_config_problems(config, model: str, entry: dict, kind: str, max_batch: Optional[int]) -> list[str]:
+    from pipeline.export import triton
+
+    pb = triton.model_config_pb2()
+    found = []
+    if config.name != model:
+        found.append(f"name {config.name!r} is not its folder's {model!r}")
+    if config.backend != "python":
+        found.append(f"backend {config.backend!r}, want 'python' (model.py)")
+    if config.max_batch_size < 1:
+        found.append(f"max_batch_size {config.max_batch_size}: the model reads batches, want >= 1")
+    if config.max_batch_size != entry.get("max_batch_size"):
+        found.append(f"max_batch_size {config.max_batch_size} is not package.json's {entry.get('max_batch_size')}")
+    if max_batch is not None and config.max_batch_size > max_batch:
+        found.append(f"max_batch_size {config.max_batch_size} exceeds the graphs' largest batch {max_batch}")
+    if not config.HasField("dynamic_batching"):
+        found.append("no dynamic_batching")
+    else:
+        over = [b for b in config.dynamic_batching.preferred_batch_size if not 1 <= b <= config.max_batch_size]
+        if over:
+            found.append(f"preferred_batch_size {over} outside [1, max_batch_size]")
+    kinds = [pb.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group]
+    if not kinds or any(k != kind for k in kinds):
+        found.append(f"instance_group kinds {kinds}, want [{kind}] (the target's)")
+    for what, tensors, name in (("input", config.input, entry.get("input")), ("output", config.output, entry.get("output"))):
+        want = triton.IMAGE_INPUT if what == "input" else triton.LATEX_OUTPUT
+        got = [(t.name, pb.DataType.Name(t.data_type), list(t.dims)) for t in tensors]
+        if got != [(want, "TYPE_STRING", [1])] or name != want:
+            found.append(f"{what} {got} (package.json: {name!r}), want [({want!r}, 'TYPE_STRING', [1])]: "
+                         f"what model.py reads and writes")
     return found

@@ -4,8 +4,9 @@
 ``<artifacts>/export-<target>/``: ``encoder.onnx``, ``decoder_first.onnx``, ``decoder_step.onnx``,
 ``decoder_verify.onnx``, ``tokenizer.json``, ``preprocess.json``, ``package.json``,
 ``provider_options.json``, the parity report, with a drafter (``export.drafter``) ``drafter.json`` (and the
-student's two graphs for ``student``), and for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt``
-imports).
+student's two graphs for ``student``), for TensorRT ``build_engines.sh`` (+ engines where ``tensorrt``
+imports), and for ort_cpu and TensorRT a Triton Inference Server model repository, ``triton/``
+(``export.triton``; docs/triton.md).
 """
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ from pipeline.names import (FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS_BY_TARGET
 from pipeline.export import drafter as spec
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export import tensorrt as trt_build
+from pipeline.export import triton
 from pipeline.export.build import build_graphs
 from pipeline.export.package import write_package
 from pipeline.export.parity import check_tolerances, reused_reference, tensor_parity, token_parity
 from pipeline.export.report import write_report
 from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import KNOWN, resolve_target, target_config, target_configs
+from pipeline.export.triton import TritonConfig
+from pipeline.export.validator import check_triton_repository
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +120,9 @@ class ExportConfig:
     speculative_tie_margin: float = 0.25  # ... and a reading that differs must first differ where the package's
                                          # step logits put the two tokens within this (logits; the flips seen:
                                          # 0.003-0.08): a wider one is a broken verify graph, cache or loop
+    # the Triton Inference Server model repository (triton/) of the targets that name an instance kind
+    # (target.triton_instance_kind: ort_cpu, tensorrt): batch size, dynamic batching, instances (docs/triton.md)
+    triton: TritonConfig = field(default_factory=TritonConfig)
 
 
 Config = ExportConfig
@@ -257,6 +264,9 @@ def validate(cfg: ExportConfig) -> None:
     if cfg.drafter == "student" and cfg.student_min_match > cfg.ngram_order:
         raise PipelineError(f"export.student_min_match must be <= export.ngram_order ({cfg.ngram_order}), "
                             f"got {cfg.student_min_match}")
+    # a TensorRT package's Triton batches fit its engines' profiles (the `target` group alone is checked
+    # when its package starts, before the work)
+    cfg.triton.check(cfg.trt_max_batch if "tensorrt" in cfg.targets else None)
     if cfg.draft_len > VERIFY_WIDTH - 1:
         raise PipelineError(f"export.draft_len must be <= {VERIFY_WIDTH - 1} (the verify graph reads the last "
                             f"written token and {VERIFY_WIDTH - 1} drafts), got {cfg.draft_len}")
@@ -265,6 +275,11 @@ def validate(cfg: ExportConfig) -> None:
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None,
              drafts: Optional[dict] = None) -> dict:
     target = resolve_target(tcfg)
+    # a TensorRT package's Triton batches are bounded by its engines' profiles
+    trt_max_batch = cfg.trt_max_batch if target.name == "tensorrt" else None
+    triton_kind = target.triton_instance_kind if cfg.triton.enabled else None
+    if triton_kind:
+        cfg.triton.check(trt_max_batch)
     mcfg = ctx.cfg.model
     max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
     name = ctx.artifact_name(f"export-{target.name}", cfg.name, stage="export")
@@ -284,7 +299,9 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
         inputs["draft_model"] = ctx.model_hash(cfg.draft_model)
         spec.check_student(ctx.model_folder(cfg.draft_model), cfg.draft_model)
     # one package: which others the run also makes (targets, baselines) is not part of its config
-    config = {**{k: v for k, v in asdict(cfg).items() if k not in ("targets", "baselines", "baseline_parity_limit")},
+    # (the Triton settings only where the package gets a repository: a Metax package's stays unchanged)
+    left_out = ("targets", "baselines", "baseline_parity_limit", *(() if triton_kind else ("triton",)))
+    config = {**{k: v for k, v in asdict(cfg).items() if k not in left_out},
               "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, **ctx.decoding_key(),
               "batch_size": batch_size, "model_ref": model_ref}
     with ctx.output(name, config, inputs) as out:
@@ -301,6 +318,12 @@ def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[di
             more = f" (+{len(built.violations) - 5} more)" if len(built.violations) > 5 else ""
             raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
         meta = write_package(out.path, adapter, built, target, max_length, bool(mcfg.flush_denormals))
+        if triton_kind:  # the repository is held to its contract like the graphs to their rules
+            meta["triton"] = triton.write_repository(out.path, cfg.triton, triton_kind, target.name)
+            problems = check_triton_repository(out.path, meta, triton_kind, trt_max_batch)
+            if problems:
+                raise PipelineError(f"the {target.name} package's Triton repository breaks its contract: "
+                                    + "; ".join(problems[:5]))
 
         # parity on ONNX Runtime CPU, the reference runtime for every target
         package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")
