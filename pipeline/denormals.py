@@ -3,16 +3,17 @@ them about a hundred times slower unless the thread's MXCSR flushes them (FTZ) a
 (DAZ). The readings do not change; the time does (an encoder 175 -> 46 ms on one CPU, 224 -> 94 ms for
 the float original; docs/export.md).
 
-Both switches are per thread and sticky: ONNX Runtime's ``session.set_denormal_as_zero`` sets the
-thread that creates the session (and its own pool threads) and never clears it, and
-``torch.set_flush_denormal`` sets the calling thread; a thread starts with its creator's mode. So a
-package sets the mode of the thread that reads with it (:func:`set_thread`), whichever thread that is
-(a serving worker, a Ray actor's, Triton's). Torch-free: the MacaRT and Triton side environments
-import it.
+The mode is per thread and sticky: ONNX Runtime's ``session.set_denormal_as_zero`` sets a session's
+own pool threads, and the thread that creates the process's *first* session (never clears it, never
+again for a later session); ``torch.set_flush_denormal`` sets the calling thread; a thread starts with
+its creator's mode. So a package sets the mode of the thread that reads with it (:func:`set_thread`),
+whichever thread that is (a serving worker, a Ray actor's, Triton's). Torch-free: the MacaRT and Triton
+side environments import it.
 """
 from __future__ import annotations
 
 import contextlib
+import platform
 import sys
 from typing import Iterator
 
@@ -30,17 +31,41 @@ def flushing() -> bool:
 
 
 def set_thread(flush: bool) -> bool:
-    """This thread's mode: ``flush`` True sets FTZ/DAZ, False clears them. Through torch where it is
-    imported (both ways), else through an ONNX Runtime session created on this thread (it can only set).
-    Returns whether the thread now flushes as asked."""
+    """This thread's mode: ``flush`` True sets FTZ/DAZ, False clears them (x86-64 Linux: the MXCSR through
+    the C library's fegetenv/fesetenv; elsewhere through torch where it is imported). Returns whether the
+    thread now flushes as asked. ONNX Runtime cannot do it: only the first session of a process sets the
+    thread that creates it (``std::call_once`` in its session init)."""
     if flushing() == flush:
         return True
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.set_flush_denormal(flush)
-    elif flush:
-        _ort_flush()
+    if not _set_mxcsr(flush):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_flush_denormal(flush)
     return flushing() == flush
+
+
+# x86-64 MXCSR: FTZ (flush results to zero, bit 15) and DAZ (read denormal inputs as zero, bit 6)
+_FTZ_DAZ = 0x8040
+_MXCSR_OFFSET = 28  # glibc's x86-64 fenv_t: the x87 environment (28 bytes), then __mxcsr (4 bytes)
+
+
+def _set_mxcsr(flush: bool) -> bool:
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("m")
+    if name is None:
+        return False
+    libm = ctypes.CDLL(name)
+    env = (ctypes.c_ubyte * 32)()
+    if libm.fegetenv(ctypes.byref(env)) != 0:
+        return False
+    mxcsr = int.from_bytes(bytes(env[_MXCSR_OFFSET:_MXCSR_OFFSET + 4]), "little")
+    mxcsr = (mxcsr | _FTZ_DAZ) if flush else (mxcsr & ~_FTZ_DAZ)
+    env[_MXCSR_OFFSET:_MXCSR_OFFSET + 4] = list(mxcsr.to_bytes(4, "little"))
+    return libm.fesetenv(ctypes.byref(env)) == 0
 
 
 @contextlib.contextmanager
@@ -53,27 +78,3 @@ def thread_mode(flush: bool) -> Iterator[bool]:
         yield done
     finally:
         set_thread(before)
-
-
-_MODEL: bytes | None = None
-
-
-def _ort_flush() -> None:
-    """ONNX Runtime sets the creating thread's FTZ/DAZ when a session asks for it: a one-node session."""
-    global _MODEL
-    import onnxruntime as ort
-
-    if _MODEL is None:
-        try:
-            from onnx import TensorProto, helper
-        except ImportError:  # a runtime-only environment: its sessions set the threads that create them
-            return
-
-        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "flush",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-        _MODEL = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString()
-    so = ort.SessionOptions()
-    so.add_session_config_entry(SESSION_ENTRY, "1")
-    so.log_severity_level = 3
-    ort.InferenceSession(_MODEL, so, providers=["CPUExecutionProvider"])

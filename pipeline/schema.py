@@ -110,6 +110,7 @@ def load_json(path: Path, fields: dict[str, Spec], what: str = "") -> dict:
 GRAPHS = ("encoder", "decoder_first", "decoder_step")
 
 PACKAGE = {
+    "format": Spec("str"),
     "target": Spec("str"),
     "provider": Spec("str"),
     "provider_options": Spec("dict", optional=True),

@@ -55,17 +55,22 @@ def test_the_mode_is_the_threads_and_a_block_gives_it_back():
     assert seen == [(True, True)] and not denormals.flushing()  # another thread's mode is its own
 
 
-def test_onnx_runtime_alone_can_set_a_thread(monkeypatch):
-    """Without torch (MacaRT's and Triton's environments) a one-node session sets the thread."""
+def test_without_torch_a_thread_is_set_both_ways(monkeypatch):
+    """Without torch (the runtime, MacaRT's and Triton's environments) the C library sets and clears it."""
     import sys
 
     torch.set_flush_denormal(False)
     monkeypatch.delitem(sys.modules, "torch")
     seen = []
-    worker = threading.Thread(target=lambda: seen.append((denormals.set_thread(True), denormals.flushing())))
+
+    def both_ways():
+        seen.append((denormals.set_thread(True), denormals.flushing()))
+        seen.append((denormals.set_thread(False), denormals.flushing()))
+
+    worker = threading.Thread(target=both_ways)
     worker.start()
     worker.join()
-    assert seen == [(True, True)]
+    assert seen == [(True, True), (True, False)]
 
 
 class _Watched:

@@ -130,6 +130,19 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
     kept = tokens_kept(v, loaded, images)  # each image's own count, before a batch tops it up
     assert kept["n"] == 3 and kept["mean"] == np.mean([package.token_policy.keep(im).size for im in images])
     assert _kept(kept) == f"{kept['mean']:.0f} / {kept['p95']:.0f}" and _kept(None) == "all"
+    # a policy package is format v2 (a v1 runtime would not feed "keep"); a format this runtime does not
+    # know is refused by stage=infer in one line, exit 2
+    from conftest import run_cli
+
+    assert meta["format"] == "formula-compress onnx package v2"
+    (tmp_path / "img.png").write_bytes(b"")
+    render_formula("x^2").save(tmp_path / "img.png")
+    meta["format"] = "formula-compress onnx package v9"
+    (folder / "package.json").write_text(json.dumps(meta))
+    done = run_cli("stage=infer", f"infer.package={folder}", f"infer.image={tmp_path / 'img.png'}",
+                   f"artifacts.dir={tmp_path}")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: package ")
+    assert "format 'formula-compress onnx package v9' is not one this runtime reads" in done.stderr
 
 
 PRUNE_FAST = ["model.max_length=8", "model.batch_size=4", "prune.eval_limit=4", "prune.score_images=2",

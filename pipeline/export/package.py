@@ -13,7 +13,7 @@ from pipeline.errors import PipelineError
 from pipeline.export.build import BuiltGraphs, decoder_shapes
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export.onnx_graphs import graph_io
-from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER, session_config
+from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER, package_format, session_config
 from pipeline.export.targets import Target
 
 
@@ -31,7 +31,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
     shutil.copyfile(adapter.tokenizer_path, folder / TOKENIZER)
     (folder / PREPROCESS).write_text(json.dumps(adapter.preprocess_spec(), indent=2) + "\n")
     meta = {
-        "format": "formula-compress onnx package v1",
+        "format": package_format(adapter.token_policy is not None),
         "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
         "graphs": graphs, "io": graph_io(nl, adapter.token_policy is not None), "precision": built.precision,
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},

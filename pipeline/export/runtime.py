@@ -29,6 +29,17 @@ TOKENIZER = "tokenizer.json"
 
 NO_SPINNING = "session.intra_op.allow_spinning"
 
+# package.json: format. v2: the encoder may take a "keep" input (package.json: token_policy), which a v1
+# runtime would not feed; a package without a policy stays v1 (any runtime reads it)
+FORMAT_V1 = "formula-compress onnx package v1"
+FORMAT_V2 = "formula-compress onnx package v2"
+FORMATS = (FORMAT_V1, FORMAT_V2)
+
+
+def package_format(token_policy: bool) -> str:
+    """The format a package is written in: v2 where its encoder reads a token policy's kept patches."""
+    return FORMAT_V2 if token_policy else FORMAT_V1
+
 
 def session_config(flush_denormals: bool = True) -> dict[str, str]:
     """The ONNX Runtime session config entries a package records (``package.json: session_config``) and
@@ -162,6 +173,10 @@ class OnnxPackage:
         if not (self.folder / PACKAGE_META).is_file():
             raise PipelineError(f"not an exported package (no {PACKAGE_META}): {self.folder}")
         self.meta = load_json(self.folder / PACKAGE_META, schema.PACKAGE, f"package {self.folder}")
+        if self.meta["format"] not in FORMATS:
+            raise PipelineError(f"package {self.folder}: format {self.meta['format']!r} is not one this runtime reads "
+                                f"({', '.join(FORMATS)}): export it again with this version, or read it with the "
+                                f"version that wrote it")
         self.preprocess_spec = load_json(self.folder / PREPROCESS, schema.PREPROCESS, f"package {self.folder}")
         from pipeline.preprocessing import check_spec
 
@@ -287,8 +302,9 @@ class OnnxPackage:
         import onnxruntime as ort
 
         so, providers = self._session_args
-        try:
-            return ort.InferenceSession(str(path), so, providers=providers)
+        try:  # made in the package's mode: the session's pool threads start with this thread's
+            with denormals.thread_mode(self.flush_denormals):
+                return ort.InferenceSession(str(path), so, providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
             raise PipelineError(f"{what}: ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from None
 

@@ -36,7 +36,7 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
     io = meta["io"]
     out: dict[str, dict[str, tuple[Shape, Shape, Shape]]] = {
         "encoder": {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w)),
-                    **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io["encoder"]["inputs"]
+                    **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io.get("encoder", {}).get("inputs", [])
                        else {})},
         "decoder_first": {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
                           "memory": ((1, mem[0], d), (1, mem[1], d), (max_batch, mem[2], d))},
