@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 
-.PHONY: run test venv clean-venv
+.PHONY: run test test-fast venv clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# the quick loop: everything but the `slow` tests (the real model or corpus, a chain on the tiny model, a
+# command line in a subprocess: pyproject's markers); `make test` stays the one full command
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) .venv-macart
