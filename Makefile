@@ -31,12 +31,15 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(BIN)/python -m pipeline stage=all $(ARGS)
 
+# the whole suite, the layering contract (pyproject's [tool.importlinter]) first
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # the quick loop: everything but the `slow` tests (the real model or corpus, a chain on the tiny model, a
 # command line in a subprocess: pyproject's markers); `make test` stays the one full command
 test-fast: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 clean-venv:

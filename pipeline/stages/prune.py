@@ -29,9 +29,9 @@ from pipeline.data.render import render_inputs
 from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
 from pipeline.evaluation import EvalItem
-from pipeline import readings
 from pipeline.pruning import count, measure, recover, report as prune_report, rounds, scores as head_scores, select
 from pipeline.pruning.heads import projections
+from pipeline.quantization import readings
 from pipeline.reports import Phases
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class PruneConfig:
     finetune_targets: str = "teacher"  # labels | teacher: what the decoder is teacher-forced on; teacher:
                                      # the original's own greedy readings (sequence-level distillation)
     # who reads the original's greedy targets: onnxruntime (its float package, ~5x faster on CPU) | torch;
-    # either way cached under <artifacts>/cache/ by model and images (pipeline/readings.py)
+    # either way cached under <artifacts>/cache/ by model and images (pipeline/quantization/readings.py)
     teacher_reader: str = "onnxruntime"
     # the student's forward and backward in the finetune: fp32 | bf16 (autocast; weights, optimizer and
     # losses stay fp32; 2.3x faster a step on an AVX512-BF16 CPU)
