@@ -47,7 +47,7 @@ class PruneConfig:
     # key/value pooling (PVT's spatial-reduction attention, ``ExplicitAttention.pool_keys``): these
     # encoder layers' self-attention attends to the means of each key_pool window ([rows, cols] of
     # patches) of its keys and values, every query kept; applied with the head removal, before the
-    # recovery, so the recovery trains it in. [] = off (docs/prune.md, "Pooled keys")
+    # recovery, so the recovery trains it in. [] = off (docs/results/2026-12-03-prune-pooled-keys.md)
     key_pool_layers: List[int] = field(default_factory=list)
     key_pool: List[int] = field(default_factory=lambda: [1, 2])
     normalize: str = "layer"         # layer | global: how scores compare across layers
@@ -59,14 +59,14 @@ class PruneConfig:
                                      # image the model may meet can show it what to preserve
     # refit regularization (towards the current weights), relative to the mean feature energy; 1e-1,
     # not 1e-3: the looser fit tracked the train images' style and lost CER on the shift split
-    # (docs/prune.md, "On formulas training never saw"); chosen on eval + held-out calib images
+    # (docs/results/2026-11-30-prune-shift-split.md); chosen on eval + held-out calib images
     ridge: float = 1e-1
     distill_epochs: int = 0          # block-wise distillation after the refit (0 = off; docs/prune.md)
     distill_images: int = 128        # train formulas for it
     distill_lr: float = 1e-3
     distill_minutes: float = 20.0    # wall-clock bound on it (split evenly over the layers)
     # the finetune after the refit: sequence-level distillation of the encoder from the original, on
-    # by default (docs/prune.md, "Sequence-level distillation"): with the refit alone the pruned model
+    # by default (docs/results/2026-12-02-prune-sequence-level-distillation.md): with the refit alone the pruned model
     # read formulas from other sources with 10 % more character errors than the original; with it, 2 %
     finetune_steps: int = 500        # AdamW steps after the refit (0 = the refit alone)
     finetune_minutes: float = 60.0   # wall-clock bound on those steps (~20 minutes on 2 cores); the report
@@ -170,7 +170,8 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     pools = _key_pools(cfg, original, len(head_counts))
     changed = bool(n_remove or pools)
     name = ctx.artifact_name("prune", cfg.name)
-    inputs = {"model": ctx.model_hash(cfg.model), "corpus": sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])}
+    corpus = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
+    inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus}
     config = _artifact_config(cfg, ctx, name, n_remove)
     all_scores = steps.head_scores(cfg, ctx, original, attns, inputs)
     phases.lap("head scores")
