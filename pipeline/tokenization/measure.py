@@ -7,9 +7,9 @@ import logging
 from typing import Callable, Optional
 
 from pipeline.errors import PipelineError
-from pipeline.tokenization import compare, curve
+from pipeline.tokenization import compare
 from pipeline.tokenization.atoms import normalize_formula
-from pipeline.tokenization.train import train_formula_bpe, train_plain_bpe
+from pipeline.tokenization.train import train_formula_bpe
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def comparison(cfg, seed: int, sources: dict, texts: dict, trained, plain, cands
     """The stage's metrics: ours against char-level and plain BPE on the eval set (and the shift set
     when ``texts`` has one), in decode steps and milliseconds saved, the cache, the curve, the targets."""
     ours = trained.tokenizer
-    (train_raw, train_norm, train_dropped), (eval_raw, eval_norm, eval_dropped) = texts["train"], texts["eval"]
+    (_, train_norm, train_dropped), (eval_raw, eval_norm, eval_dropped) = texts["train"], texts["eval"]
     seg = segmentation(cands, eval_raw, eval_norm)
     times = {c.name: compare.encode_times(c, eval_raw if c is cands[2] else eval_norm, cfg.timing_repeats)
              for c in cands}
