@@ -317,9 +317,10 @@ def test_teacher_targets_replace_only_readable_misreadings():
 
 @pytest.mark.slow
 def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file, tmp_path, monkeypatch):
+    from pipeline.distillation import memory
     from pipeline.stages import distill
 
-    monkeypatch.setattr(distill, "VARIED_CHUNK", 2)
+    monkeypatch.setattr(memory, "VARIED_CHUNK", 2)
     build_tiny().save(tmp_path / "tiny")
     base = [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}", *SMALL, "distill.steps=1"]
     ctx = fake_ctx(tmp_path, base)
@@ -339,6 +340,7 @@ def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file,
 
 @pytest.mark.slow
 def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp_path, monkeypatch):
+    from pipeline.distillation import targets
     from pipeline.stages import distill
     from pipeline.stages.distill import kd_target
 
@@ -357,7 +359,7 @@ def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp
     # the tiny model runs every reading to the cap (so every target is the formula): readings that
     # stopped and misread become targets
     crafted = ([r"\begin{equation*}x_{9}\end{equation*}"] * 3 + readings["texts"][3:], [False] * 3 + readings["capped"][3:])
-    monkeypatch.setattr(distill, "_teacher_readings", lambda *a, **k: crafted)
+    monkeypatch.setattr(targets, "teacher_readings", lambda *a, **k: crafted)
     ctx = fake_ctx(tmp_path, [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}",
                               "distill.targets=teacher", "distill.name=distill-kd", *SMALL])
     assert distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]["targets_from_teacher"] == 3
