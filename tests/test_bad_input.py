@@ -360,6 +360,7 @@ def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
     assert not (tmp_path / "a" / "evaluate").exists()
 
 
+@pytest.mark.slow
 def test_a_sweeps_parent_waiting_on_its_jobs_ends_at_a_signal_in_one_line(tmp_path):
     """Hydra's start-up is shielded (above), the sweep is not: a SIGTERM to a multirun's parent while the
     joblib launcher waits on its jobs ends the sweep there, in one line, exit 2 (it once waited for every

@@ -87,6 +87,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, t
     assert resumed["losses"] == whole["losses"]
 
 
+@pytest.mark.slow
 def test_the_moving_average_is_what_the_run_returns_and_what_its_curve_reads(bpe_file):
     from pipeline.distillation.train import Schedule, train_decoder
 

@@ -182,6 +182,7 @@ def test_stage_all_runs_the_chain_on_a_tiny_hf_model_and_writes_the_summary(fold
     assert "deployable" in summary and "float-original" in summary
 
 
+@pytest.mark.slow
 def test_the_default_models_weights_map_onto_hf_classes_and_the_folder_reads_back(tmp_path):
     """junia -> I-JEPA encoder + mBART decoder (pipeline/adapters/junia_to_hf.py) on a tiny junia model: the
     decoder maps exactly (its logits on the same memory equal junia's), the encoder's distillation lowers

@@ -159,6 +159,7 @@ def test_an_adapter_that_cannot_pool_keys_is_one_error_line_saying_how_to_turn_i
     assert not [p for p in tmp_path.glob("prune*")]
 
 
+@pytest.mark.slow
 def test_pooled_keys_without_removed_heads_are_recovered_saved_and_reloaded(tmp_path, tiny_folder):
     """prune.key_pool_layers alone (no head removed): one recovery round for it, fewer FLOPs, the
     saved model pools the same layers after a reload, and the options enter the key."""

@@ -104,6 +104,7 @@ def _activation_quant_types(model: onnx.ModelProto) -> set[int]:
             if n.op_type == "QuantizeLinear" and n.input[0] not in inits and len(n.input) > 2}
 
 
+@pytest.mark.slow
 def test_ort_cpu_activations_are_asymmetric_uint8_by_default_and_symmetric_on_request(root, searched):
     """The ort_cpu graph quantizes its activations to uint8 with a fitted zero point (ORT CPU's U8S8);
     its weights stay symmetric int8 per channel, and the plain graph stays symmetric int8 throughout.
@@ -180,6 +181,7 @@ def test_the_ort_cpu_graph_has_its_own_plan_over_its_projections(root, searched,
     assert json.loads((out / "plan.json").read_text())["ort_cpu_groups"][floated] == "float"
 
 
+@pytest.mark.slow
 def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, searched):
     """quantize.smoothquant: the graphs are made from the smoothed copy (LayerNorm scales differ from
     those of the default, off), the plan records alpha, and applying that plan folds the
