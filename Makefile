@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 TORCH       ?= torch==2.13.0+cpu
 TORCH_INDEX ?=
 
-.PHONY: run test venv triton clean-venv
+.PHONY: run test test-fast venv triton clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -46,8 +46,16 @@ triton: $(TRITON_STAMP)
 run: $(STAMP)
 	$(BIN)/python -m pipeline stage=all $(ARGS)
 
+# the whole suite, the layering contract (pyproject's [tool.importlinter]) first
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+
+# the quick loop: everything but the `slow` tests (the real model or corpus, a chain on the tiny model, a
+# command line in a subprocess: pyproject's markers); `make test` stays the one full command
+test-fast: $(STAMP)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV) .venv-macart $(TRITON_VENV)

@@ -518,3 +518,10 @@ def tv_bound(n_buckets: int, size: int) -> float:
 def iter_batches(items: Sequence, size: int) -> Iterator[Sequence]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def choose(scan: SourceScan, near_duplicate: float, size: int, seed: int) -> list[Candidate]:
+    """The set: duplicates removed, the rest bucketed, ``size`` drawn by bucket (:func:`select`)."""
+    remove_duplicates(scan, near_duplicate)
+    assign_buckets(scan)
+    return select(scan, size, seed)

@@ -14,10 +14,11 @@ equal, and nothing more:
 """
 from __future__ import annotations
 
-import math
 import re
-from collections import Counter
 from typing import Sequence
+
+from rapidfuzz.distance import Levenshtein
+from sacrebleu.metrics import BLEU
 
 # The display-math environments a formula may come wrapped in: one list for this normalizer and the
 # tokenizer's (pipeline/tokenization/atoms.py), which removes one of them around the whole formula
@@ -44,6 +45,9 @@ _LAYOUT = re.compile(
 _SINGLE_SCRIPT = re.compile(r"([_^])\s*\{\s*(\\[a-zA-Z]+|\\.|[^{}\s\\])\s*\}")
 _EMPTY_TEXT = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*\}")
 _WS = re.compile(r"\s+")
+# corpus BLEU-4 as defined here: atoms are the words (tokenize="none"), no smoothing, order 4 always
+# (force: atoms joined by spaces look like tokenized text to sacrebleu, and are meant to)
+_BLEU = BLEU(tokenize="none", smooth_method="none", max_ngram_order=4, effective_order=False, force=True)
 
 
 def normalize(latex: str) -> str:
@@ -92,15 +96,8 @@ def exact_match(pred: str, truth: str) -> bool:
 
 
 def edit_distance(a: Sequence, b: Sequence) -> int:
-    if len(a) < len(b):
-        a, b = b, a
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i] + [0] * len(b)
-        for j, cb in enumerate(b, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
-        prev = cur
-    return prev[-1]
+    """Levenshtein distance (unit costs) of two strings or sequences of hashable atoms."""
+    return Levenshtein.distance(a, b)
 
 
 def cer(pred: str, truth: str) -> float:
@@ -119,21 +116,12 @@ def corpus_cer(preds: Sequence[str], truths: Sequence[str]) -> float:
 
 
 def bleu4(preds: Sequence[str], truths: Sequence[str]) -> float:
-    """Corpus BLEU-4 over LaTeX atoms of the normalized strings (uniform weights, brevity penalty)."""
-    matches = [0] * 4
-    totals = [0] * 4
-    pred_len = ref_len = 0
-    for p, t in zip(preds, truths):
-        pt, tt = tokens(normalize(p)), tokens(normalize(t))
-        pred_len += len(pt)
-        ref_len += len(tt)
-        for n in range(1, 5):
-            pc = Counter(tuple(pt[i:i + n]) for i in range(len(pt) - n + 1))
-            tc = Counter(tuple(tt[i:i + n]) for i in range(len(tt) - n + 1))
-            matches[n - 1] += sum(min(c, tc[g]) for g, c in pc.items())
-            totals[n - 1] += max(len(pt) - n + 1, 0)
-    if pred_len == 0 or any(m == 0 for m in matches):
+    """Corpus BLEU-4 over LaTeX atoms of the normalized strings (uniform weights, brevity penalty, no
+    smoothing: 0 when an n-gram order has no match), in [0, 1]. sacrebleu's BLEU on the atoms joined
+    by spaces with its own tokenizer off, so an atom (``\\frac``, ``{``) is one of its words."""
+    pairs = list(zip(preds, truths))
+    hyps = [" ".join(tokens(normalize(p))) for p, _ in pairs]
+    refs = [" ".join(tokens(normalize(t))) for _, t in pairs]
+    if not any(hyps):
         return 0.0
-    log_p = sum(math.log(m / t) for m, t in zip(matches, totals)) / 4
-    bp = 1.0 if pred_len > ref_len else math.exp(1 - ref_len / pred_len)
-    return bp * math.exp(log_p)
+    return _BLEU.corpus_score(hyps, [refs]).score / 100.0

@@ -46,19 +46,6 @@ def savefig(fig: "plt.Figure", path: Path) -> None:
     plt.close(fig)
 
 
-def bar_plot(path: Path, labels: Sequence[str], values: Sequence[float], title: str, ylabel: str,
-             annotations: Sequence[Any] | None = None) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bars = ax.bar(list(labels), list(values), color="#4477aa")
-    if annotations is not None:
-        for b, a in zip(bars, annotations):
-            ax.annotate(f"n={a}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_title(title)
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(0, max(1.0, max(values, default=0) * 1.15))
-    savefig(fig, path)
-
-
 def grouped_bar_plot(path: Path, labels: Sequence[str], series: dict[str, Sequence[float]], title: str,
                      ylabel: str, annotations: dict[str, Sequence[Any]] | None = None) -> None:
     """Bars of several series (e.g. eval splits) side by side per label; one series is a plain bar plot."""

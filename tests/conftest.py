@@ -14,9 +14,10 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# fixtures that hold the real model: a test that asks for one is `slow`, so `-m "not slow"` runs
-# no real-model inference (modules that use it without a fixture mark themselves)
-REAL_MODEL_FIXTURES = frozenset({"real_adapter"})
+# fixtures that hold the real model or the real corpus (built once a machine: about a minute of two
+# cores): a test that asks for one is `slow`, so `-m "not slow"` (make test-fast) runs no real-model
+# inference and builds no corpus (modules that use them without a fixture mark themselves)
+REAL_MODEL_FIXTURES = frozenset({"real_adapter", "corpus", "corpus_root"})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

@@ -92,6 +92,7 @@ def copy_package(work: Path, dest: Path) -> Path:
 
 
 # ---- 1. interrupts -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_at_several_moments_leaves_the_previous_package_byte_identical(work, tmp_path):
     """A real export (CLI subprocess) is killed at moments spread over its run; each time the package
     published before is byte-identical, nothing temporary is left, stderr is one line."""
@@ -359,6 +360,7 @@ def test_a_signal_inside_hydras_own_start_up_is_one_line(tmp_path):
     assert not (tmp_path / "a" / "evaluate").exists()
 
 
+@pytest.mark.slow
 def test_a_sweeps_parent_waiting_on_its_jobs_ends_at_a_signal_in_one_line(tmp_path):
     """Hydra's start-up is shielded (above), the sweep is not: a SIGTERM to a multirun's parent while the
     joblib launcher waits on its jobs ends the sweep there, in one line, exit 2 (it once waited for every
@@ -472,6 +474,7 @@ def _latin1(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_non_utf8_formulas_files_are_one_line_naming_the_key_and_the_line(work, tmp_path):
     bad = _latin1(tmp_path / "latin1.txt")
     art = tmp_path / "a"
@@ -509,6 +512,7 @@ def test_a_broken_package_json_names_the_field(work, tmp_path, edit, needles):
     assert all(n in str(err.value) for n in needles), str(err.value)
 
 
+@pytest.mark.slow
 def test_a_broken_package_is_one_line_through_the_cli(work, tmp_path):
     pkg = copy_package(work, tmp_path / "pkg")
     (pkg / "package.json").write_text('{"graphs": ')
@@ -556,6 +560,7 @@ def _model_copy(work: Path, dest: Path, edit=None, drop: str | None = None) -> P
     ("heads_do_not_divide", ["does not divide"]),
     ("garbage_tokenizer", ["tokenizer.json", "not JSON"]),
 ])
+@pytest.mark.slow
 def test_a_broken_model_folder_names_the_field(work, tmp_path, case, needles):
     edits = {
         "zero_heads": lambda m: m["model_config"].update(num_heads=0),
@@ -586,6 +591,7 @@ def test_open_image_refuses_a_bomb_from_its_header(bomb):
         open_image(bomb)
 
 
+@pytest.mark.slow
 def test_a_bomb_among_images_is_skipped_and_named_alone_it_is_one_line(work, bomb, tmp_path):
     folder = tmp_path / "imgs"
     shutil.copytree(work / "images", folder)
@@ -626,6 +632,7 @@ def test_numbers_out_of_range_are_refused_at_config_time(tmp_path, override, nee
         OmegaConf.to_object(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
 
 
+@pytest.mark.slow
 def test_a_number_out_of_range_is_one_config_line_and_writes_nothing(tmp_path):
     one_error(run_cli("stage=evaluate", "model.batch_size=0", f"artifacts.dir={tmp_path / 'a'}"),
               "error: config: model.batch_size=0: must be >= 1")
@@ -680,6 +687,7 @@ def test_the_data_groups_source_is_checked_before_the_first_stage_runs(tmp_path,
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_a_model_key_naming_nothing_fails_before_the_first_stage(tmp_path):
     """quantize.model=prnue under stage=all: one line before prune starts; a stage's name, an artifact's
     name (prune.name=...), auto, original and a folder pass the check."""
@@ -699,12 +707,14 @@ def test_a_model_key_naming_nothing_fails_before_the_first_stage(tmp_path):
     assert not root.exists()  # refused before Hydra's own record of the run
 
 
+@pytest.mark.slow
 def test_a_bad_key_of_the_chains_fifth_stage_is_one_line_in_seconds(tmp_path):
     one_error(run_cli("stage=all", "quantize.budget=2", f"artifacts.dir={tmp_path / 'a'}"),
               "error: stage=all, stage quantize: quantize.budget must be in [0, 1)")
     assert [p.name for p in (tmp_path / "a").iterdir()] == [".hydra"]  # Hydra's record of the run, no stage's output
 
 
+@pytest.mark.slow
 def test_a_cap_above_the_models_position_table_is_refused_with_its_limit(work, tmp_path):
     one_error(run_cli("stage=evaluate", f"eval.model={work / 'tiny'}", f"eval.formulas={work / 'formulas.txt'}",
                       f"model.max_length={TINY_MAX_POSITIONS + 1}", f"artifacts.dir={tmp_path / 'a'}"),
@@ -728,6 +738,7 @@ def test_names_are_one_folder_name(tmp_path, override):
         check_config(compose_cfg([override, f"artifacts.dir={tmp_path / 'a'}"]))
 
 
+@pytest.mark.slow
 def test_a_name_outside_the_root_is_one_line_and_writes_nothing(tmp_path):
     art = tmp_path / "inside" / "a"
     one_error(run_cli("stage=evaluate", "eval.name=../escape", f"artifacts.dir={art}"),
@@ -735,6 +746,7 @@ def test_a_name_outside_the_root_is_one_line_and_writes_nothing(tmp_path):
     assert not (tmp_path / "inside").exists() and not (tmp_path / "escape").exists()
 
 
+@pytest.mark.slow
 def test_artifacts_dir_on_a_file_is_one_line(tmp_path):
     afile = tmp_path / "file"
     afile.write_text("x")
@@ -743,6 +755,7 @@ def test_artifacts_dir_on_a_file_is_one_line(tmp_path):
     assert afile.read_text() == "x"
 
 
+@pytest.mark.slow
 def test_infer_output_into_a_missing_folder_is_refused_before_the_work(work, tmp_path):
     proc = run_cli("stage=infer", f"infer.package={work / 'art' / 'export-ort_cpu'}", f"infer.image={work / 'images'}",
                    f"infer.output={tmp_path / 'missing' / 'out.tsv'}", f"artifacts.dir={tmp_path / 'a'}")
@@ -768,17 +781,20 @@ def test_a_stage_that_does_not_read_the_data_group_refuses_it(tmp_path, stage, o
                                   f"artifacts.dir={tmp_path / 'a'}"]))
 
 
+@pytest.mark.slow
 def test_evaluate_with_an_image_folder_data_group_is_one_line_not_the_corpus(tmp_path):
     one_error(run_cli("stage=evaluate", "data=image_folder", f"data.path={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"),
               "error: config: data=image_folder: stage evaluate does not read the data group", "eval.images=DIR")
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_infer_options_live_under_infer(tmp_path):
     one_error(run_cli("stage=infer", f"artifacts.dir={tmp_path / 'a'}"), "infer.package is not set")
     one_error(run_cli("stage=infer", f"package={tmp_path}", f"artifacts.dir={tmp_path / 'a'}"), "error: config:", "package")
 
 
+@pytest.mark.slow
 def test_a_failed_export_keeps_its_parity_report_where_the_error_says(work, tmp_path):
     art = tmp_path / "a"
     base = [*EXPORT_ARGS, f"export.model={work / 'tiny'}", f"export.formulas={work / 'formulas.txt'}",
@@ -813,6 +829,7 @@ def test_one_labels_file_lookup_for_evaluate_and_calibrate(tmp_path):
 
 
 # ---- 6. targets --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_target_overrides_reach_their_target_under_export_targets_or_fail_in_one_line(tmp_path):
     """With export.targets (stage=all), target.* overrides belong to the composed target group's target:
     that target's package gets them, the others their YAML; a target the list leaves out is refused."""
@@ -844,6 +861,7 @@ def test_each_targets_rules_are_its_yamls():
     assert resolve_target(cfg.target).rules.per_channel_weights
 
 
+@pytest.mark.slow
 def test_a_targets_drafter_defaults_are_its_yamls_and_a_bad_one_fails_before_the_chain(tmp_path):
     """A verify call on a CPU costs more per token it checks, on a GPU about the same whatever its width:
     each target's YAML says how its packages' ngram drafter drafts. A bad value under stage=all is one

@@ -71,6 +71,7 @@ def test_variants_resolved_defaults_skipped_and_requested(tmp_path):
     assert found == {"deployable": tmp_path / "elsewhere"}
 
 
+@pytest.mark.slow
 def test_run_measures_every_variant_on_the_same_images(root, benched):
     m = benched["metrics"]
     labels = [v["label"] for v in m["variants"]]
@@ -133,6 +134,7 @@ def test_run_measures_every_variant_on_the_same_images(root, benched):
          "mine (greedy)"}
 
 
+@pytest.mark.slow
 def test_packages_read_side_by_side_read_what_they_read_alone(root, benched):
     """workers=2 (threads sharing the machine) and workers=1 (one variant after another) give the
     same greedy tokens for every package; only the timing figures' source differs."""
@@ -148,6 +150,7 @@ def test_packages_read_side_by_side_read_what_they_read_alone(root, benched):
     assert not any("at a time" in n for n in alone["notes"])
 
 
+@pytest.mark.slow
 def test_summary_files_hold_the_table_and_links_to_every_report(root, benched):
     md = (root / "summary.md").read_text()
     payload = json.loads((root / "summary.json").read_text())
@@ -164,6 +167,7 @@ def test_summary_files_hold_the_table_and_links_to_every_report(root, benched):
     assert not list(root.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_unchanged_rerun_reuses_and_rewrites_the_summary(root, benched):
     (root / "summary.md").unlink()
     again = _run(root, f"+benchmark.packages.mine={root / 'other-package'}")
@@ -171,6 +175,7 @@ def test_unchanged_rerun_reuses_and_rewrites_the_summary(root, benched):
     assert (root / "summary.md").is_file()
 
 
+@pytest.mark.slow
 def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path):
     """A package whose decoder speaks another vocabulary (distill's BPE) shows "–" for identical
     tokens, not 0.000: its ids index other strings than the reference's. Packages that decode with
@@ -193,6 +198,7 @@ def test_identical_tokens_only_between_variants_of_one_vocabulary(root, tmp_path
     assert row[summary.HEADER.index("identical tokens")] == "–"
 
 
+@pytest.mark.slow
 def test_without_greedy_rows_the_speculative_check_is_said_to_be_off(root):
     """The check reads a package with a drafter against its plain greedy twin: without the twins'
     rows there is none, and the notes say so rather than leave the section out unexplained."""
@@ -202,6 +208,7 @@ def test_without_greedy_rows_the_speculative_check_is_said_to_be_off(root):
     assert any(n.startswith("benchmark.greedy_rows=false: no speculative check of mine") for n in m["notes"])
 
 
+@pytest.mark.slow
 def test_missing_package_named_is_one_error_line(root, tmp_path):
     with pytest.raises(PipelineError, match=r"benchmark.packages: no exported package .* at nope="):
         _run(root, f"+benchmark.packages.nope={tmp_path / 'no-such-package'}", "benchmark.name=bench-missing")
@@ -213,6 +220,7 @@ def test_missing_package_named_is_one_error_line(root, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: benchmark.packages: no exported package"), proc.stderr
 
 
+@pytest.mark.slow
 def test_serving_returns_its_stats_from_concurrent_clients(root):
     from pipeline.benchmarking import measure
     from pipeline.benchmarking.variants import package_variant
@@ -296,6 +304,7 @@ def test_a_pattern_collects_a_sweeps_packages_and_one_that_matches_nothing_is_an
         resolve_packages({"sweep": "export-ort_cpu-none-*"}, {}, tmp_path)
 
 
+@pytest.mark.slow
 def test_the_packages_also_read_the_shift_split(root):
     """Without a formulas file the benchmark reads the corpus split and, for the packages, each of
     benchmark.extra_splits: their exact match and CER become the table's last columns."""
@@ -323,6 +332,7 @@ def test_the_packages_also_read_the_shift_split(root):
     assert exact == pytest.approx(by["deployable"]["splits"]["shift"]["exact_match"])
 
 
+@pytest.mark.slow
 def test_extra_split_equal_to_the_main_one_is_one_error(root):
     from pipeline.stages import benchmark
 
@@ -331,6 +341,7 @@ def test_extra_split_equal_to_the_main_one_is_one_error(root):
         benchmark.run(OmegaConf.to_object(ctx.cfg.benchmark), ctx)
 
 
+@pytest.mark.slow
 def test_a_reading_split_over_two_session_sets_equals_one(root):
     """quantize's greedy readings cut the images into runs of whole batches, one per session set,
     read side by side: the same tokens as one session set reading them all."""
@@ -346,6 +357,7 @@ def test_a_reading_split_over_two_session_sets_equals_one(root):
     assert two.token_ids == one.token_ids and two.exact == one.exact and len(two.token_ids) == 10
 
 
+@pytest.mark.slow
 def test_a_reading_over_two_session_sets_stops_after_the_batch_in_hand_on_a_signal(root, monkeypatch):
     """Ctrl-C / SIGTERM reach the main thread only: the reading threads check after each batch, so
     an interrupted search stops within a batch instead of finishing its half of the split."""
@@ -375,6 +387,7 @@ def test_a_reading_over_two_session_sets_stops_after_the_batch_in_hand_on_a_sign
     assert encoded in ([2], [2, 2])
 
 
+@pytest.mark.slow
 def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_path):
     """benchmarks/speculative.py on the tiny package: drafters built from its train readings, judged on
     calib (calls through the real loop), the best of each kind checked on eval; calls never exceed greedy's."""
@@ -446,6 +459,7 @@ def test_speculative_settings_script_runs_the_real_loop_on_a_package(root, tmp_p
     assert bad.returncode == 2 and "no formulas of split(s) shift" in bad.stderr
 
 
+@pytest.mark.slow
 def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path):
     """benchmarks/decoder_call.py on the tiny package: the profiler's per-op kernel time, node counts,
     and the session.run and IOBinding loops computing the same steps."""
@@ -473,6 +487,7 @@ def test_decoder_call_script_profiles_a_step_and_times_both_loops(root, tmp_path
     assert bad.returncode == 2 and "not an exported package" in bad.stderr.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_decoder_widths_script_times_verify_widths_and_step_batches(root, tmp_path):
     """benchmarks/decoder_widths.py on the tiny model (CPU): a verify-shaped call per width at batch 1 and a
     step-shaped call per batch, each against width 1 / the smallest batch; bad settings are one error line."""

@@ -299,6 +299,7 @@ def test_empty_folder_and_bad_config_are_one_clear_error(real_adapter, tmp_path)
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_missing_source_path_exits_2_with_one_line(tmp_path):
     proc = run_cli("stage=calibrate", "data=image_folder", f"data.path={tmp_path / 'nowhere'}",
                    f"artifacts.dir={tmp_path / 'art'}", "progress=false")

@@ -99,6 +99,7 @@ def test_unknown_method_and_missing_set_are_clear_errors(tmp_path, tiny_onnx):
         calibrators.CalibSetReader(tmp_path / "nothing", "pixel_values")
 
 
+@pytest.mark.slow
 def test_histogram_methods_in_passes_give_the_one_pass_ranges(calib_set_dir, tiny_onnx, monkeypatch):
     """entropy/percentile watch a group of tensors per pass over the whole set (memory), and every
     tensor's range is the one-pass range; min-max keeps its one pass (ReduceMin/Max outputs are tiny)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from omegaconf import OmegaConf
 
 from tiny_model import FORMULAS, build_tiny, fake_ctx
@@ -45,6 +46,7 @@ def _tiny_with_calib_set(root):
     return original, adapter
 
 
+@pytest.mark.slow
 def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path, monkeypatch):
     from pipeline.stages import export
 
@@ -103,6 +105,7 @@ def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path,
     assert first["export"]["ort_cpu"]["key"] == manifest["key"]
 
 
+@pytest.mark.slow
 def test_with_distill_in_the_chain_quantize_and_export_take_the_bpe_student(tmp_path):
     """``distill.in_chain=true``: prune -> distill -> quantize -> export, the package speaks the BPE."""
     from pipeline.stages import distill, export, prune, quantize

@@ -70,6 +70,7 @@ def _corpus(monkeypatch):
     monkeypatch.setattr(context, "build_shift_split", lambda *a, **k: shift)
 
 
+@pytest.mark.slow
 def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_the_summary(tmp_path, monkeypatch):
     from pipeline.__main__ import run_stages
     from pipeline.context import StageContext

@@ -13,6 +13,7 @@ from conftest import compose_cfg, make_ctx, run_cli
     ("target=nope", "Could not find 'target/nope'"),
     ("model.max_length=many", "model.max_length"),
 ])
+@pytest.mark.slow
 def test_config_errors_are_one_line_and_exit_2(tmp_path, override, needle):
     proc = run_cli(override, f"artifacts.dir={tmp_path / 'a'}")
     assert proc.returncode == 2, proc.stderr
@@ -22,6 +23,7 @@ def test_config_errors_are_one_line_and_exit_2(tmp_path, override, needle):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow
 def test_defaults_compose_and_stage_group_selects_stage():
     from omegaconf import OmegaConf
 
@@ -87,6 +89,7 @@ def test_stage_all_leaves_evaluate_to_the_benchmark_by_default(monkeypatch, tmp_
     assert ran == ["evaluate"]
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_stage_is_one_line(tmp_path):
     proc = run_cli("stage=evaluate", f"eval.formulas={tmp_path / 'missing.txt'}", f"artifacts.dir={tmp_path / 'a'}",
                    "progress=false")
@@ -132,6 +135,7 @@ def test_progress_bars_only_on_a_terminal_unless_set(monkeypatch, setting, tty, 
     assert StageContext(compose_cfg(overrides)).progress is expected
 
 
+@pytest.mark.slow
 def test_a_non_editable_install_finds_its_conf(tmp_path):
     """conf/ ships as pipeline/conf: the installed package composes its config away from the checkout."""
     import os
@@ -156,6 +160,7 @@ def test_a_non_editable_install_finds_its_conf(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip() == "error: config: model.batch_size=0: must be >= 1"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA: model.device=cuda is valid")
 def test_model_device_cuda_without_cuda_is_one_error_line_and_auto_is_the_cpu(tmp_path):
     import torch

@@ -45,6 +45,7 @@ def test_batch_order_and_learning_rate_depend_on_the_step_only():
     assert 1e-4 < learning_rate(s, 50) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ema", [0.0, 0.9])
 def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, tmp_path, ema):
     from pipeline.distillation.train import Schedule, train_decoder
@@ -86,6 +87,7 @@ def test_a_killed_run_resumes_to_the_weights_of_an_uninterrupted_one(bpe_file, t
     assert resumed["losses"] == whole["losses"]
 
 
+@pytest.mark.slow
 def test_the_moving_average_is_what_the_run_returns_and_what_its_curve_reads(bpe_file):
     from pipeline.distillation.train import Schedule, train_decoder
 
@@ -117,6 +119,7 @@ SMALL = ["model.max_length=24", "model.batch_size=4", "distill.steps=4", "distil
          "distill.eval_images=4", "distill.eval_every=2", "distill.checkpoint_every=2", "distill.warmup=1"]
 
 
+@pytest.mark.slow
 def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path):
     from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
     from pipeline.data.render import render_formula
@@ -189,6 +192,7 @@ def test_stage_writes_a_student_that_exports_and_decodes_bpe(bpe_file, tmp_path)
     assert [r["pred"] for r in rows] == want.texts and evaluated["metrics"]["n"] == 3
 
 
+@pytest.mark.slow
 def test_a_student_drafter_reads_the_image_first_and_the_package_still_writes_greedy(bpe_file, tmp_path):
     """export.drafter=student: the student's two decoder graphs go into the char model's package; its
     reading of the package's encoder output, spelled in characters, is the guide; the speculative
@@ -312,10 +316,12 @@ def test_teacher_targets_replace_only_readable_misreadings():
     assert kd_target("x_i", r"\begin{equation*}\end{equation*}", capped=False) == "x_i"  # empty reading
 
 
+@pytest.mark.slow
 def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file, tmp_path, monkeypatch):
+    from pipeline.distillation import memory
     from pipeline.stages import distill
 
-    monkeypatch.setattr(distill, "VARIED_CHUNK", 2)
+    monkeypatch.setattr(memory, "VARIED_CHUNK", 2)
     build_tiny().save(tmp_path / "tiny")
     base = [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}", *SMALL, "distill.steps=1"]
     ctx = fake_ctx(tmp_path, base)
@@ -333,7 +339,9 @@ def test_more_varied_formulas_reuse_the_encoder_outputs_already_cached(bpe_file,
     assert sorted(i for i, _ in kept) == ["varied-2", "varied-3", "varied-4"]
 
 
+@pytest.mark.slow
 def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp_path, monkeypatch):
+    from pipeline.distillation import targets
     from pipeline.stages import distill
     from pipeline.stages.distill import kd_target
 
@@ -352,7 +360,7 @@ def test_stage_with_teacher_targets_reads_the_training_images_once(bpe_file, tmp
     # the tiny model runs every reading to the cap (so every target is the formula): readings that
     # stopped and misread become targets
     crafted = ([r"\begin{equation*}x_{9}\end{equation*}"] * 3 + readings["texts"][3:], [False] * 3 + readings["capped"][3:])
-    monkeypatch.setattr(distill, "_teacher_readings", lambda *a, **k: crafted)
+    monkeypatch.setattr(targets, "teacher_readings", lambda *a, **k: crafted)
     ctx = fake_ctx(tmp_path, [f"distill.model={tmp_path / 'tiny'}", f"distill.tokenizer={bpe_file}",
                               "distill.targets=teacher", "distill.name=distill-kd", *SMALL])
     assert distill.run(OmegaConf.to_object(ctx.cfg.distill), ctx)["metrics"]["targets_from_teacher"] == 3

@@ -45,3 +45,26 @@ def test_the_scan_sees_keys_and_skips_file_names(known):
         ("quantize", "search_images"), ("benchmark", "packages")}
     assert "search_images" in known["quantize"] and "no_such" not in known["quantize"]
     assert len(named_keys((REPO / "README.md").read_text(encoding="utf-8"))) > 30  # the README's keys are seen
+
+
+def _relative_links(page) -> list[str]:
+    """The page's links to files of this repository (web addresses, anchors and generated artifacts aside)."""
+    links = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8"))
+    return [t for t in links if not t.startswith(("http:", "https:", "mailto:")) and "artifacts/" not in t]
+
+
+@pytest.mark.parametrize("page", [*PAGES, *sorted((REPO / "docs" / "results").glob("*.md"))],
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_every_link_to_a_repository_file_resolves(page):
+    missing = [t for t in _relative_links(page) if not (page.parent / t).exists()]
+    assert not missing, f"{page.relative_to(REPO)} links to files that do not exist: {missing}"
+
+
+def test_each_stage_page_links_its_dated_records_and_each_record_its_page():
+    """docs/results/ holds the history, one dated file per experiment; a record names the page it supports."""
+    records = sorted((REPO / "docs" / "results").glob("*.md"))
+    assert records and all(re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+\.md", p.name) for p in records)
+    linked = {t.removeprefix("results/") for page in PAGES for t in _relative_links(page) if t.startswith("results/")}
+    assert {p.name for p in records} <= linked, sorted({p.name for p in records} - linked)
+    for p in records:
+        assert any(t.startswith("../") and t.endswith(".md") for t in _relative_links(p)), p.name

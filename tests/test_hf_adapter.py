@@ -18,10 +18,10 @@ PAIRS = [("vit", "trocr"), ("deit", "mbart"), ("vit", "mbart"), ("deit", "gpt2")
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from pipeline.adapters.hf_vision_encoder_decoder import tiny_model
+    from tiny_model import tiny_hf_model
 
     root = tmp_path_factory.mktemp("hf")
-    return {pair: tiny_model(root / "-".join(pair), *pair, seed=i) for i, pair in enumerate(PAIRS)}
+    return {pair: tiny_hf_model(root / "-".join(pair), *pair, seed=i) for i, pair in enumerate(PAIRS)}
 
 
 def _images(adapter, n=3, seed=0):
@@ -142,6 +142,7 @@ def test_unsupported_models_end_in_one_line_saying_what_is_supported(folders, tm
         load_adapter("hf_vision_encoder_decoder", "package")
 
 
+@pytest.mark.slow
 def test_a_pickle_checkpoint_is_refused_on_the_command_line_in_one_line(folders, tmp_path):
     folder = tmp_path / "pickled"
     shutil.copytree(folders[("vit", "trocr")], folder)
@@ -153,6 +154,7 @@ def test_a_pickle_checkpoint_is_refused_on_the_command_line_in_one_line(folders,
     assert "pickle checkpoint" in last and "model.safetensors" in last
 
 
+@pytest.mark.slow
 def test_stage_all_runs_the_chain_on_a_tiny_hf_model_and_writes_the_summary(folders, tmp_path, monkeypatch):
     """``stage=all model=hf_vision_encoder_decoder model.path=<folder>``: the default chain's settings
     (sizes shrunk as for the default model's test), every target exported from the pruned model with its
@@ -180,6 +182,7 @@ def test_stage_all_runs_the_chain_on_a_tiny_hf_model_and_writes_the_summary(fold
     assert "deployable" in summary and "float-original" in summary
 
 
+@pytest.mark.slow
 def test_the_default_models_weights_map_onto_hf_classes_and_the_folder_reads_back(tmp_path):
     """junia -> I-JEPA encoder + mBART decoder (pipeline/adapters/junia_to_hf.py) on a tiny junia model: the
     decoder maps exactly (its logits on the same memory equal junia's), the encoder's distillation lowers

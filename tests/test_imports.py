@@ -82,3 +82,25 @@ def test_tokenization_never_imports_a_model_adapter():
     for name, deps in graph.items():
         if name.startswith("pipeline.tokenization"):
             assert not [d for d in deps if d.startswith("pipeline.adapters")], name
+
+
+def _script_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every ``from pipeline... import name`` in a script (``import pipeline.x``: name "")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pipeline":
+            found += [(node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == "pipeline"]
+    return found
+
+
+def test_benchmark_scripts_use_the_public_library_layer_only():
+    """benchmarks/ scripts read artifacts through the library, never a stage's module or a private name."""
+    scripts = sorted((REPO / "benchmarks").glob("*.py"))
+    assert scripts and any(_script_imports(p) for p in scripts)  # the scan sees their imports
+    for path in scripts:
+        for module, name in _script_imports(path):
+            assert not module.startswith("pipeline.stages") and name != "stages", (path.name, module, name)
+            assert not name.startswith("_") and not any(part.startswith("_") for part in module.split(".")), \
+                (path.name, module, name)

@@ -124,6 +124,7 @@ def test_pruned_tiny_model_equals_gated_original(tiny):
     assert count.parameters(tiny) - count.parameters(pruned) == 3 * (3 * (8 * 32 + 8) + 32 * 8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["vit", "siglip"])
 def test_hf_style_attention_pruning(kind):
     from transformers import SiglipVisionConfig, ViTConfig
@@ -424,6 +425,7 @@ def test_real_model_rewrite_and_slicing_are_exact(real_adapter):
     assert pruned.encoder_head_counts() == [8, 6, 7, 7]
 
 
+@pytest.mark.slow
 def test_finetune_resumes_after_a_kill_to_the_same_weights(tiny, tmp_path):
     import copy
 
@@ -485,6 +487,7 @@ def test_finetune_encoder_scope_trains_the_encoder_alone(tiny):
         recover.finetune(student, tiny, x, ["y"] * 4, steps=1, minutes=1, scope="decoder")
 
 
+@pytest.mark.slow
 def test_finetune_on_the_originals_readings_ignores_the_labels(tiny):
     import copy
 

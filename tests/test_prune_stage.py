@@ -30,6 +30,7 @@ def _run(root, folder, *overrides):
     return ctx, prune.run(OmegaConf.to_object(ctx.cfg.prune), ctx)
 
 
+@pytest.mark.slow
 def test_prune_stage_writes_a_smaller_model_that_reloads_and_is_deterministic(tmp_path, tiny_folder):
     ctx, manifest = _run(tmp_path / "a", tiny_folder, "prune.num_heads=3", "prune.criterion=gradient")
     out = tmp_path / "a" / "prune"
@@ -91,6 +92,7 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     assert not (tmp_path / "prune").exists()
 
 
+@pytest.mark.slow
 def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_folder):
     """prune.finetune_targets=teacher + prune.finetune_scope=encoder: the saved model's decoder is the
     original's, byte for byte; the varied formulas join the finetune; the options enter the key."""
@@ -157,6 +159,7 @@ def test_an_adapter_that_cannot_pool_keys_is_one_error_line_saying_how_to_turn_i
     assert not [p for p in tmp_path.glob("prune*")]
 
 
+@pytest.mark.slow
 def test_pooled_keys_without_removed_heads_are_recovered_saved_and_reloaded(tmp_path, tiny_folder):
     """prune.key_pool_layers alone (no head removed): one recovery round for it, fewer FLOPs, the
     saved model pools the same layers after a reload, and the options enter the key."""
@@ -194,6 +197,7 @@ def test_corrupt_checkpoint_is_refused(tmp_path, tiny_folder):
     assert not (tmp_path / "art" / "prune").exists()
 
 
+@pytest.mark.slow
 def test_cli_bad_ratio_is_one_line_exit_2(tmp_path):
     from conftest import run_cli
 
@@ -204,6 +208,7 @@ def test_cli_bad_ratio_is_one_line_exit_2(tmp_path):
     assert not list(tmp_path.glob("prune*"))
 
 
+@pytest.mark.slow
 def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_folder):
     """benchmarks/prune_sweep.py over real stage outputs: table, curve, and the best point by the rule."""
     import subprocess
@@ -229,6 +234,7 @@ def test_sweep_collector_picks_the_most_heads_within_tolerance(tmp_path, tiny_fo
     assert not list(tmp_path.glob(".tmp-prune-sweep-*"))
 
 
+@pytest.mark.slow
 def test_multirun_sweep_through_joblib_writes_one_folder_per_job(tmp_path, tiny_folder, corpus_root):
     """``python -m pipeline -m`` with two values: the joblib launcher runs both jobs, each in its own folder."""
     from conftest import run_cli
@@ -263,6 +269,7 @@ def test_holds_needs_both_tolerances_on_a_split():
     assert not holds(0.56, 0.211)   # CER
 
 
+@pytest.mark.slow
 def test_only_the_criteria_asked_for_are_computed_and_a_registered_one_can_be_chosen(tmp_path, tiny_folder):
     from pipeline.pruning import scores as head_scores
 

@@ -104,6 +104,7 @@ def _activation_quant_types(model: onnx.ModelProto) -> set[int]:
             if n.op_type == "QuantizeLinear" and n.input[0] not in inits and len(n.input) > 2}
 
 
+@pytest.mark.slow
 def test_ort_cpu_activations_are_asymmetric_uint8_by_default_and_symmetric_on_request(root, searched):
     """The ort_cpu graph quantizes its activations to uint8 with a fitted zero point (ORT CPU's U8S8);
     its weights stay symmetric int8 per channel, and the plain graph stays symmetric int8 throughout.
@@ -180,6 +181,7 @@ def test_the_ort_cpu_graph_has_its_own_plan_over_its_projections(root, searched,
     assert json.loads((out / "plan.json").read_text())["ort_cpu_groups"][floated] == "float"
 
 
+@pytest.mark.slow
 def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, searched):
     """quantize.smoothquant: the graphs are made from the smoothed copy (LayerNorm scales differ from
     those of the default, off), the plan records alpha, and applying that plan folds the
@@ -203,6 +205,7 @@ def test_smoothquant_is_folded_into_the_graphs_and_the_plan_carries_it(root, sea
     assert ln and any(not np.allclose(plain[n], smooth[n]) for n in ln)
 
 
+@pytest.mark.slow
 def test_qat_finetunes_the_encoder_before_its_graphs_and_the_plan_carries_it(root, searched, caplog, monkeypatch):
     """quantize.qat_steps: the graphs are made from encoder weights finetuned with INT8 fake
     quantizers (its projections' weights differ from the default run's), every loss is still against
@@ -299,6 +302,7 @@ print("kept" if alive() is not None else "freed")
 """
 
 
+@pytest.mark.slow
 def test_modelopt_is_imported_without_keeping_its_callers_locals_alive():
     """The first import of ModelOpt's torch quantization, made plainly inside a function, keeps
     that function's locals alive for the rest of the process (PuLP keeps an import error, its
@@ -499,6 +503,7 @@ def test_sensitivity_ranks_the_ruinous_group_first():
     assert rows[2].only == float("inf") and everything < rows[0].only
 
 
+@pytest.mark.slow
 def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false")
     assert proc.returncode == 2
@@ -519,6 +524,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.search_split=shift", "quantize.search_split=shift is one of quantize.eval_splits"),
     ("quantize.qat_steps=-1", "quantize.qat_steps must be >= 0"),
 ])
+@pytest.mark.slow
 def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     proc = run_cli("stage=quantize", f"artifacts.dir={tmp_path}", "progress=false", override)
     assert proc.returncode == 2
@@ -526,6 +532,7 @@ def test_impossible_settings_are_one_error_line(tmp_path, override, message):
     assert not (tmp_path / "quantize").exists()
 
 
+@pytest.mark.slow
 def test_plan_naming_unknown_nodes_is_one_error_line_and_no_artifact(root, tmp_path):
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps({"format": "formula-compress quantize plan v1", "method": "minmax",
@@ -771,6 +778,7 @@ def test_cross_kv_quantization_touches_only_the_named_nodes_and_keeps_their_outp
         assert np.abs(a - b).max() < 0.05 * np.abs(b).max() and not np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_decoder_node_marked_float_keeps_its_float_weight_in_both_decoder_graphs(root, searched, tmp_path):
     from pipeline.quantization.decoder import weight_nodes
 
@@ -844,6 +852,7 @@ def test_plan_search_gallops_from_all_int8():
     assert asked == [0, 1]
 
 
+@pytest.mark.slow
 def test_check_off_leaves_the_plan_and_graphs_and_says_so(root, searched):
     """quantize.check=false (stage=all): the same plan and graphs, no eval check, no Pareto plot."""
     _run(root, "quantize.check=false", "quantize.name=quantize-nocheck")
@@ -876,6 +885,7 @@ def test_the_search_trace_reports_gained_lost_and_the_paired_error(searched):
     assert "gained / lost vs float" in report and "paired standard error" in report
 
 
+@pytest.mark.slow
 def test_anchors_run_beside_ours_nncf_judged_by_our_greedy_reading_of_the_search_set(root, monkeypatch):
     """quantize.anchors=true: every anchor is a row with numbers (or says why not), and NNCF's
     accuracy control validates on our search set, rows named by index, with our budget."""

@@ -32,6 +32,7 @@ def shift(corpus_root):
     return make_ctx(corpus_root).split("shift")
 
 
+@pytest.mark.slow
 def test_shift_split_is_real_disjoint_and_large_enough(shift, corpus):
     assert len(shift) >= 300
     assert {f.split for f in shift} == {"shift"}
@@ -46,6 +47,7 @@ def test_shift_split_is_real_disjoint_and_large_enough(shift, corpus):
         assert img.width <= 496 and img.height <= 112
 
 
+@pytest.mark.slow
 def test_shift_split_is_cached_and_deterministic(shift, corpus_root, tmp_path):
     import shutil
 

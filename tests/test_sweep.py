@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from conftest import run_cli
 from tiny_model import build_tiny
 
 
+@pytest.mark.slow
 def test_two_point_sweep_then_one_benchmark_collects_its_packages(tmp_path, corpus_root):
     root = tmp_path / "art"
     shutil.copytree(corpus_root / "corpus", root / "corpus")

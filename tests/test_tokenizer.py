@@ -317,6 +317,7 @@ def test_training_on_the_shift_split_is_refused(tmp_path):
     assert not (tmp_path / "art").exists()
 
 
+@pytest.mark.slow
 def test_cli_small_vocab_exits_2_with_one_line(tmp_path):
     train = _write(tmp_path / "train.txt", TRAIN)
     proc = run_cli("stage=tokenizer", f"artifacts.dir={tmp_path / 'art'}", "progress=false",

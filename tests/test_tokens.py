@@ -262,7 +262,9 @@ def test_a_metax_package_with_a_policy_reads_alike_on_onnxruntime_1_12(tmp_path)
 def test_an_hf_encoder_reads_its_special_tokens_and_the_kept_patches(tmp_path, encoder):
     """HF VisionEncoderDecoder: the class token(s) always kept (ViT one, DeiT two, I-JEPA none), the kept
     patches gathered after the embeddings; every patch kept is the full encoder; the policy is saved."""
-    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter, tiny_model
+    from tiny_model import tiny_hf_model as tiny_model
+
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter
 
     folder = tiny_model(tmp_path / encoder, encoder, "trocr")
     adapter = HfVisionEncoderDecoderAdapter.load(str(folder))
@@ -285,7 +287,9 @@ def test_an_hf_encoder_reads_its_special_tokens_and_the_kept_patches(tmp_path, e
 
 
 def test_an_hf_model_whose_channels_are_normalized_apart_is_refused_in_one_line(tmp_path):
-    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter, tiny_model
+    from tiny_model import tiny_hf_model as tiny_model
+
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter
 
     adapter = HfVisionEncoderDecoderAdapter.load(str(tiny_model(tmp_path / "m", "vit", "trocr")))
     adapter._spec = {**adapter._spec, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.2, 0.2]}

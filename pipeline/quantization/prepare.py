@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from calibration.calibrators import calib_images
-from pipeline import readings
+from pipeline.quantization import readings
 from pipeline.context import StageContext
 from pipeline.errors import optional_part
 from pipeline.quantization.graphs import FloatGraphs, float_graphs

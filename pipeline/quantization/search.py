@@ -83,8 +83,8 @@ def smallest_within(loss_with_float, n: int, budget: float, progress: bool) -> i
     returns exactly what a binary search over 0..n returns, but a plan usually returns few groups to
     float, and there the candidates it reads are the cheap ones: a candidate clearly over the budget
     stops after its first chunk (:func:`read_or_reject`) while one within it is read whole, and a
-    binary search from the middle reads every candidate above the answer whole (chain run 1: four
-    whole readings of 512 formulas for k = 13, 6, 3, 1; galloping: k = 0 stopped, k = 1 whole). Every
+    binary search from the middle reads every candidate above the answer whole (on the chain's model:
+    four whole readings of 512 formulas for k = 13, 6, 3, 1; galloping: k = 0 stopped, k = 1 whole). Every
     group float is the float model itself (loss 0 by definition): it is never read."""
     bar = tqdm(total=max(1, int(np.ceil(np.log2(n + 1)))), desc="plan search", disable=not progress)
     try:

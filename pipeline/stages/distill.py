@@ -17,7 +17,6 @@ benchmark (docs/distill.md).
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
@@ -27,26 +26,21 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
-from pipeline import metrics as M
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
-from pipeline.data.render import render_inputs
 from pipeline.data.templates import templated_formulas, varied_formulas
 from pipeline.device import placed
+from pipeline.distillation import memory, report, targets
+from pipeline.distillation.targets import TARGETS, kd_target  # noqa: F401 (kd_target: tests import the rule from here)
 from pipeline.distillation.train import Schedule, train_decoder
 from pipeline.errors import PipelineError
-from pipeline.reports import markdown_table, savefig
 from pipeline.tokenization.atoms import normalize_formula
 
 log = logging.getLogger(__name__)
 NAME = "distill"
 CONFIG_KEY = "distill"
 TOKENIZER_FILE = "tokenizer.json"
-TARGETS = ("truth", "teacher")
-VARIED_CHUNK = 1000  # varied-grammar formulas per encoder-output cache file
 
 
 @dataclass
@@ -122,83 +116,6 @@ def _tokenizer_file(ref: str, ctx: StageContext) -> Path:
                         f"a folder or file)")
 
 
-# ---- encoder outputs, computed once ------------------------------------------------------------
-@torch.no_grad()
-def _encode(adapter, pairs: list[tuple[str, str]], batch: int, progress: bool, desc: str
-            ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
-    items = render_inputs(pairs, adapter.preprocess, None, progress, f"render {desc}")
-    if not items:
-        raise PipelineError(f"distill: no {desc} formula could be rendered")
-    out = []
-    bar = tqdm(total=len(items), desc=f"encode {desc}", disable=not progress)
-    for i in range(0, len(items), batch):
-        out.append(adapter.encode(torch.stack([x for _, _, x in items[i:i + batch]])).half())
-        bar.update(len(items[i:i + batch]))
-    bar.close()
-    return torch.cat(out), [(fid, latex) for fid, latex, _ in items]
-
-
-def _cached_memory(ctx: StageContext, adapter, model_hash: str, name: str, pairs: list[tuple[str, str]],
-                   batch: int) -> tuple[torch.Tensor, list[tuple[str, str]], float, bool]:
-    """Encoder outputs of ``pairs`` (fp16) from ``<artifacts>/cache/<name>-<key>``, computed when missing."""
-    config = {"formulas": sha256_json(pairs)}
-    with ctx.cache_output(f"distill-memory-{name}-{sha256_json([config, model_hash])[:12]}", config,
-                          {"model": model_hash}) as out:
-        t0 = time.perf_counter()
-        if not out.reused:
-            memory, kept = _encode(adapter, pairs, batch, ctx.progress, name)
-            save_file({"memory": memory.contiguous()}, str(out.path / "memory.safetensors"))
-            (out.path / "formulas.json").write_text(json.dumps(kept, ensure_ascii=False))
-            out.metrics.update({"images": len(kept), "seconds": time.perf_counter() - t0})
-    memory = load_file(str(out.path / "memory.safetensors"))["memory"]
-    kept = [tuple(p) for p in json.loads((out.path / "formulas.json").read_text())]
-    return memory, kept, float(out.metrics.get("seconds", 0.0)), out.reused
-
-
-_STYLES = re.compile(r"\\(?:displaystyle|textstyle|scriptstyle|scriptscriptstyle)(?![a-zA-Z])")
-
-
-def kd_target(truth: str, reading: str, capped: bool) -> str:
-    """What the student learns for one image under ``distill.targets=teacher``: the formula when the
-    char model read it right (metric-equal) or ran to the cap (a runaway reading teaches nothing),
-    else the char model's reading without its display wrapper, line breaks and style switches (what
-    every metric strips; the truth targets have none of them)."""
-    if capped or M.exact_match(reading, truth):
-        return truth
-    stripped = " ".join(_STYLES.sub(" ", M.strip_display(reading)).split())
-    return stripped or truth
-
-
-def _teacher_readings(ctx: StageContext, teacher, model_hash: str, memory: torch.Tensor,
-                      kept: list[tuple[str, str]], max_length: int, batch: int) -> tuple[list[str], list[bool]]:
-    """The char model's greedy readings of the training images (from their cached encoder outputs),
-    cached under ``<artifacts>/cache/`` like the outputs themselves."""
-    config = {"formulas": sha256_json(kept), "max_length": max_length, **ctx.decoding_key()}
-    with ctx.cache_output(f"distill-teacher-{sha256_json([config, model_hash])[:12]}", config,
-                          {"model": model_hash}) as out:
-        if not out.reused:
-            t0 = time.perf_counter()
-            bar = tqdm(total=len(kept), desc="teacher readings", disable=not ctx.progress)
-            with placed(ctx.device, teacher):
-                result = teacher.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True,
-                                          progress=bar.update)
-            bar.close()
-            (out.path / "readings.json").write_text(json.dumps(
-                {"texts": result.texts, "capped": [bool(c) for c in result.hit_cap]}, ensure_ascii=False))
-            out.metrics.update({"images": len(kept), "seconds": time.perf_counter() - t0})
-    payload = json.loads((out.path / "readings.json").read_text())
-    return payload["texts"], payload["capped"]
-
-
-def _read(adapter, memory: torch.Tensor, truths: list[str], max_length: int, batch: int) -> dict:
-    result = adapter.generate(memory, max_length, batch_size=batch, use_cache=True, encoded=True)
-    n = len(truths)
-    return {"exact_match": sum(M.exact_match(p, t) for p, t in zip(result.texts, truths)) / n,
-            "cer": M.corpus_cer(result.texts, truths), "steps_per_formula": sum(result.steps) / n,
-            "hit_cap_share": sum(result.hit_cap) / n, "decoder_seconds": result.decoder_seconds,
-            "texts": result.texts}
-
-
 # ---- the stage ----------------------------------------------------------------------------------
 def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     validate(cfg)
@@ -207,152 +124,68 @@ def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     tok_file = _tokenizer_file(cfg.tokenizer, ctx)
     name = ctx.artifact_name("distill", cfg.name)
     model_hash = ctx.model_hash(model_ref)
+    config = _artifact_config(cfg, ctx, model_ref, max_length)
+    train, varied, evals = _formulas(cfg, ctx)
+    inputs = {"model": model_hash, "tokenizer": file_hash(tok_file), **_formulas_hash(train, varied, evals)}
+    with ctx.output(name, config, inputs) as out:
+        if out.reused:
+            log.info(f"[distill] unchanged, reused {out.path}")
+            _print_summary(out.metrics)
+            return out.manifest
+        t_start, teacher = time.perf_counter(), ctx.load_model(model_ref)
+        log.info(f"[distill] student of {model_ref} with the BPE {tok_file}")
+        student = teacher.with_bpe(tok_file)
+        mem = memory.training_memory(ctx, teacher, model_hash, train, varied, evals, batch_size)
+        texts, from_teacher = targets.training_texts(ctx, cfg.targets, teacher, model_hash, mem.train, mem.kept,
+                                                     max_length, batch_size)
+        bpe_targets = [student.tokenizer.encode(normalize_formula(t), max_length=max_length) for t in texts]
+        truths = [latex for _, latex in mem.kept_eval]
+        char_row = report.read(teacher, mem.eval, truths, max_length, batch_size)
+        del teacher
+        torch.manual_seed(ctx.seed)  # dropout
+        resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
+        with placed(ctx.device, student):  # model.device: the decoder trains and reads there
+            trained = train_decoder(student, mem.train, bpe_targets, _schedule(cfg, ctx.seed),
+                                    lambda: report.read(student, mem.eval, truths, max_length, batch_size, texts=False),
+                                    resume / "student.pt", ctx.progress)
+            final = report.read(student, mem.eval, truths, max_length, batch_size)
+        student.save(out.path / "model")  # with the BPE tokenizer.json, byte for byte
+        m = {"model": model_ref, "tokenizer": str(tok_file), "vocab_size": student.vocab_size,
+             "targets": cfg.targets, "targets_from_teacher": from_teacher}
+        out.metrics.update(report.stage_metrics(m, trained, char_row, final, mem, cfg.steps, t_start))
+        report.write_outputs(out.path, out.metrics, config, mem.kept_eval, char_row, final)
+    shutil.rmtree(resume, ignore_errors=True)
+    _print_summary(out.metrics)
+    return out.manifest
+
+
+def _artifact_config(cfg: DistillConfig, ctx: StageContext, model_ref: str, max_length: int) -> dict:
     config = {**asdict(cfg), "model_ref": model_ref, "max_length": max_length, **ctx.decoding_key(), "seed": ctx.seed}
     config.pop("in_chain")  # where the chain takes the model from, not how it is made
     if not cfg.ema:
         config.pop("ema")  # off: the key of the artifacts made before it existed
+    return config
+
+
+def _formulas(cfg: DistillConfig, ctx: StageContext) -> tuple[list, list, list]:
+    """(id, LaTeX) pairs: training (train split + templated), varied grammar, the first eval formulas."""
     train = [(f.id, f.latex) for f in ctx.split("train")][:cfg.train_images]
     train += [(f"templated-{i}", t) for i, t in enumerate(templated_formulas(cfg.templated, seed=ctx.seed))]
     varied = [(f"varied-{i}", t) for i, t in enumerate(varied_formulas(cfg.varied, seed=ctx.seed))]
     if not train and not varied:
         raise PipelineError("distill: no training formulas (distill.train_images=0, distill.templated=0 and "
                             "distill.varied=0)")
-    evals = [(f.id, f.latex) for f in ctx.split("eval")][:cfg.eval_images]
-    inputs = {"model": model_hash, "tokenizer": file_hash(tok_file), "train": sha256_json(train + varied),
-              "eval": sha256_json(evals)}
-    with ctx.output(name, config, inputs) as out:
-        if out.reused:
-            log.info(f"[distill] unchanged, reused {out.path}")
-            _print_summary(out.metrics)
-            return out.manifest
-        t_start = time.perf_counter()
-        teacher = ctx.load_model(model_ref)
-        log.info(f"[distill] student of {model_ref} with the BPE {tok_file}")
-        student = teacher.with_bpe(tok_file)
-        mem_train, kept, enc_train_s, train_reused = _cached_memory(ctx, teacher, model_hash, "train", train,
-                                                                     batch_size)
-        # the varied grammar's outputs are cached on their own, VARIED_CHUNK formulas a file: the split's
-        # cache stays valid, and a larger distill.varied (the grammar's draws are a prefix of any larger
-        # one's with the same seed) reuses every chunk already computed
-        parts = [mem_train]
-        for i in range(0, len(varied), VARIED_CHUNK):
-            mem_chunk, kept_chunk, chunk_s, _ = _cached_memory(ctx, teacher, model_hash, "varied",
-                                                               varied[i:i + VARIED_CHUNK], batch_size)
-            parts.append(mem_chunk)
-            kept += kept_chunk
-            enc_train_s += chunk_s
-        mem_train = torch.cat(parts) if len(parts) > 1 else mem_train
-        del parts
-        mem_eval, kept_eval, enc_eval_s, _ = _cached_memory(ctx, teacher, model_hash, "eval", evals, batch_size)
-        from_teacher = 0
-        texts = [latex for _, latex in kept]
-        if cfg.targets == "teacher":
-            readings, capped = _teacher_readings(ctx, teacher, model_hash, mem_train, kept, max_length, batch_size)
-            texts = [kd_target(t, r, c) for t, r, c in zip(texts, readings, capped)]
-            from_teacher = sum(t != latex for t, (_, latex) in zip(texts, kept))
-        targets = [student.tokenizer.encode(normalize_formula(t), max_length=max_length) for t in texts]
-        truths = [latex for _, latex in kept_eval]
-        char_row = _read(teacher, mem_eval, truths, max_length, batch_size)
-        del teacher
-
-        schedule = Schedule(steps=cfg.steps, minutes=cfg.minutes, batch=cfg.batch, lr=cfg.lr,
-                            weight_decay=cfg.weight_decay, warmup=cfg.warmup, seed=ctx.seed,
-                            checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
-                            block_lr_scale=cfg.block_lr_scale, freeze_cross_attention=cfg.freeze_cross_attention,
-                            ema=cfg.ema)
-        torch.manual_seed(ctx.seed)  # dropout
-        resume = ctx.artifacts_dir / ".resume" / f"{name}-{sha256_json([config, inputs])[:12]}"
-        evaluate = lambda: {k: v for k, v in _read(student, mem_eval, truths, max_length, batch_size).items()  # noqa: E731
-                            if k != "texts"}
-        with placed(ctx.device, student):  # model.device: the decoder trains and reads there
-            trained = train_decoder(student, mem_train, targets, schedule, evaluate, resume / "student.pt",
-                                    ctx.progress)
-            final = _read(student, mem_eval, truths, max_length, batch_size)
-        student.save(out.path / "model")  # with the BPE tokenizer.json, byte for byte
-
-        curve = trained["curve"]
-        _plot_curve(out.path / "learning_curve.png", curve, char_row, len(truths))
-        with open(out.path / "predictions.jsonl", "w", encoding="utf-8") as f:
-            for (fid, truth), c, s in zip(kept_eval, char_row["texts"], final["texts"]):
-                f.write(json.dumps({"id": fid, "truth": truth, "char": c, "bpe": s}, ensure_ascii=False) + "\n")
-        char = {k: v for k, v in char_row.items() if k != "texts"}
-        bpe = {k: v for k, v in final.items() if k != "texts"}
-        out.metrics.update({
-            "model": model_ref, "tokenizer": str(tok_file), "vocab_size": student.vocab_size,
-            "targets": cfg.targets, "targets_from_teacher": from_teacher,
-            "train_images": len(kept),
-            "train_from_split": len([k for k in kept if not k[0].startswith(("templated-", "varied-"))]),
-            "train_varied": len([k for k in kept if k[0].startswith("varied-")]),
-            "eval_images": len(truths), "encoder_cache_seconds": enc_train_s + enc_eval_s,
-            "encoder_cache_reused": train_reused,
-            "steps": trained["steps"], "steps_planned": cfg.steps, "stopped_by": trained["stopped_by"],
-            "training_minutes": trained["minutes"], "resumed_at": trained["resumed_at"],
-            "final_loss": trained["losses"][-1] if trained["losses"] else None,
-            "char": char, "bpe": bpe,
-            "steps_ratio": char["steps_per_formula"] / max(bpe["steps_per_formula"], 1e-9),
-            "decoder_time_ratio": char["decoder_seconds"] / max(bpe["decoder_seconds"], 1e-9),
-            "exact_match_points": 100 * (bpe["exact_match"] - char["exact_match"]),
-            "curve": curve, "stage_minutes": (time.perf_counter() - t_start) / 60,
-        })
-        _write_report(out.path, out.metrics, config)
-    shutil.rmtree(resume, ignore_errors=True)
-    _print_summary(out.metrics)
-    return out.manifest
+    return train, varied, [(f.id, f.latex) for f in ctx.split("eval")][:cfg.eval_images]
 
 
-def _plot_curve(path: Path, curve: list[dict], char: dict, n: int) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    minutes = [p["minutes"] for p in curve]
-    a.plot(minutes, [p["exact_match"] for p in curve], "o-", label="BPE student")
-    a.axhline(char["exact_match"], color="grey", ls="--", label="char model")
-    a.set_xlabel("training minutes")
-    a.set_ylabel("exact match")
-    a.legend()
-    b.plot(minutes, [p["cer"] for p in curve], "o-", label="BPE student")
-    b.axhline(char["cer"], color="grey", ls="--", label="char model")
-    b.set_xlabel("training minutes")
-    b.set_ylabel("CER")
-    fig.suptitle(f"first {n} eval formulas, greedy, KV cache")
-    savefig(fig, path)
+def _formulas_hash(train: list, varied: list, evals: list) -> dict:
+    return {"train": sha256_json(train + varied), "eval": sha256_json(evals)}
 
 
-def _write_report(folder: Path, m: dict, config: dict) -> None:
-    c, s = m["char"], m["bpe"]
-    rows = [["char model", f"{c['exact_match']:.3f}", f"{c['cer']:.3f}", f"{c['steps_per_formula']:.1f}",
-             f"{c['hit_cap_share']:.2f}", f"{c['decoder_seconds']:.2f}"],
-            ["BPE student", f"{s['exact_match']:.3f}", f"{s['cer']:.3f}", f"{s['steps_per_formula']:.1f}",
-             f"{s['hit_cap_share']:.2f}", f"{s['decoder_seconds']:.2f}"]]
-    curve = [[p["step"], f"{p['minutes']:.1f}", "" if p["loss"] is None else f"{p['loss']:.3f}",
-              f"{p['exact_match']:.3f}", f"{p['cer']:.3f}", f"{p['steps_per_formula']:.1f}"] for p in m["curve"]]
-    resumed = f" (resumed from the checkpoint at step {m['resumed_at']})" if m["resumed_at"] else ""
-    stop = "the step budget" if m["stopped_by"] == "steps" else \
-        f"the {config['minutes']} min cap (the weights then depend on the machine's speed)"
-    text = [
-        "# Stage distill: a BPE decoder from the char model", "",
-        f"Student of `{m['model']}` with the BPE `{m['tokenizer']}` ({m['vocab_size']} entries). Trained on "
-        f"{m['train_images']} rendered formulas ({m['train_from_split']} from the train split, "
-        f"{m['train_images'] - m['train_from_split'] - m.get('train_varied', 0)} templated, "
-        f"{m.get('train_varied', 0)} from the varied grammar), encoder "
-        f"frozen (outputs cached fp16: {m['encoder_cache_seconds']:.0f} s"
-        f"{', reused' if m['encoder_cache_reused'] else ''}), {m['steps']} of {m['steps_planned']} steps in "
-        f"{m['training_minutes']:.1f} training minutes, stopped by {stop}{resumed}; this process took "
-        f"{m['stage_minutes']:.1f} min. Targets: "
-        + ("the formulas." if m.get("targets", "truth") == "truth" else
-           f"the char model's readings where they differ from the formula ({m['targets_from_teacher']} of "
-           f"{m['train_images']} images; elsewhere the formula)."), "",
-        f"## First {m['eval_images']} eval formulas (torch, KV cache, greedy)", "",
-        markdown_table(["decoder", "exact match", "CER", "steps / formula", "stopped at cap", "decoder s (all)"], rows),
-        "",
-        f"{m['steps_ratio']:.1f}x fewer decoder steps, {m['decoder_time_ratio']:.1f}x less torch decoder time, "
-        f"{m['exact_match_points']:+.1f} points exact match on these {m['eval_images']} formulas. The whole "
-        "eval split in the ORT package: `stage=export export.model=distill`, then the benchmark (docs/distill.md).",
-        "", "## Learning curve", "", "![learning curve](learning_curve.png)", "",
-        markdown_table(["step", "minutes", "loss", "exact match", "CER", "steps / formula"], curve), "",
-        "`predictions.jsonl`: both decoders' readings of these formulas.", "",
-    ]
-    (folder / "report.md").write_text("\n".join(text))
+def _schedule(cfg: DistillConfig, seed: int) -> Schedule:
+    return Schedule(steps=cfg.steps, minutes=cfg.minutes, batch=cfg.batch, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                    warmup=cfg.warmup, seed=seed, checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
+                    block_lr_scale=cfg.block_lr_scale, freeze_cross_attention=cfg.freeze_cross_attention, ema=cfg.ema)
 
 
 def _print_summary(m: dict) -> None:

@@ -23,33 +23,21 @@ decoders stay float (export casts them to FP16 for TensorRT / Metax).
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-import onnx
-
 from calibration import sensitivity
-from calibration.calibrators import METHODS, CalibSetReader, calib_images, load_calib_set, token_feeds
+from calibration.calibrators import METHODS, load_calib_set
 from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError, optional_part
-from pipeline.names import QDQ_ENCODER, QDQ_ENCODER_ORT, QUANTIZE_ORIGINAL
-from pipeline.quantization import prepare, qdq, report
+from pipeline.names import QUANTIZE_ORIGINAL
+from pipeline.quantization import qdq, steps
 from pipeline.quantization.check import check_on_eval
-from pipeline.quantization.decoder_plan import decoder_plan
-from pipeline.quantization.encoder_plan import EncoderGraphs, apply_given, check_given_ort, compare_methods, \
-    given_sensitivity, search_ort, search_plain
-from pipeline.quantization.groups import find_groups
-from pipeline.quantization.measure import encoder_outputs
-from pipeline.quantization.plan import load as load_plan, qat_of as plan_qat, smoothquant_of as plan_smoothquant
-from pipeline.quantization.report import resolution_note, summary_line
-from pipeline.quantization.search import PlanSearch, SearchReads, json_number, mac_share, search_chunk
-from pipeline.quantization.sets import decoder_search_set, search_set as search_rows
+from pipeline.quantization.report import summary_line
 from pipeline.reports import Phases
 
 NAME = "quantize"
@@ -242,165 +230,33 @@ def _has_corpus(ctx: StageContext) -> bool:
 
 
 def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set, folder: Path) -> dict:
+    """The steps (pipeline/quantization/steps.py), each timed as a phase of the report."""
     mcfg = ctx.cfg.model
-    max_length, batch, threads = int(mcfg.max_length), int(mcfg.batch_size), int(mcfg.threads or 0)
-    adapter = ctx.load_model(model_ref)
     scratch = folder / ".work"
     scratch.mkdir()
-    started = time.perf_counter()
+    r = steps.QuantizeRun(cfg, ctx, model_ref, calib_set, folder, scratch, int(mcfg.max_length),
+                          int(mcfg.batch_size), int(mcfg.threads or 0))
     phases = Phases()
-    lap = phases.lap
-    alpha = plan_smoothquant(cfg.plan) if cfg.plan else cfg.smoothquant
-    qat_cfg = plan_qat(cfg.plan) if cfg.plan else (
-        {"steps": cfg.qat_steps, "lr": cfg.qat_lr, "images": cfg.qat_images,
-         **({"precision": cfg.qat_precision} if cfg.qat_precision != "fp32" else {})} if cfg.qat_steps else None)
-    prepared = prepare.prepared_graphs(adapter, ctx.model_hash(model_ref), calib_set, ctx, scratch, alpha=alpha,
-                                       qat_cfg=qat_cfg, calib_rows=cfg.calib_images, workers=cfg.workers,
-                                       qat_minutes=cfg.qat_minutes)
-    adapter, graphs, reference = prepared.adapter, prepared.graphs, prepared.reference
-    groups = find_groups(onnx.load(str(graphs.encoder_std)), graphs.memory_length, graphs.hidden_size)
-    by_name = {g.name: g for g in groups}
-    given = load_plan(cfg.plan, list(by_name), list(METHODS)) if cfg.plan else None
-    acts = given.ort_cpu_activations if given else cfg.ort_cpu_activations
-
-    lap('float graphs')
-    search_images, search_truths, search_set = search_rows(ctx, adapter, calib_set, cfg.calib_images,
-                                                           cfg.search_images, cfg.search_split)
-    sens_images = calib_images(calib_set, cfg.calib_images, cfg.calib_images + cfg.sensitivity_images)
-    reads = SearchReads(graphs.open_readers(threads, cfg.workers), search_images, search_truths, max_length, batch,
-                        cfg.budget, search_chunk(cfg.search_chunk, cfg.workers, batch))
-    # the loss is against the float model handed over (with QAT on, not the finetuned one: same decoders)
-    reads.float_reading = float_reading = reads.read(reference.encoder_std)
-    ref_memory = encoder_outputs(graphs.package, graphs.encoder_std, sens_images)
-
-    def reader():
-        return CalibSetReader(calib_set, "images", batch_size=8, limit=cfg.calib_images,
-                              extra_feeds=token_feeds(graphs.package.token_policy))
-
-    lap('float reading of the search set')
-    # 1. calibration methods side by side, on the ort_cpu graph with every weight group INT8: the same
-    # groups as in the plain graph, but the fused attention leaves ORT's histogram calibrators
-    # 16 tensors to watch instead of 32 (the 1024 x 1024 attention maps among them)
-    enc = EncoderGraphs(graphs, scratch, by_name, {g.name: g for g in find_groups(onnx.load(str(graphs.encoder_ort)))},
-                        acts)
-    method_rows, method_readings = compare_methods(enc, [] if given else cfg.methods, reader, reads, ref_memory,
-                                                   sens_images, ctx.progress)
-    chosen = given.method if given else cfg.method if cfg.method != "auto" else max(
-        method_rows, key=lambda m: (round(m["exact_match"], 6), m["snr_db"]))["method"]
-    if chosen not in enc.ort_caches:
-        enc.calibrate_ort(reader(), chosen)
-    cache = scratch / f"ranges.{chosen}.json"  # the plain graph's ranges, attention products included
-    qdq.calibrate(graphs.encoder_std, reader(), chosen, cache)
-
-    lap('calibration methods and ranges')
-    # 2. sensitivity, both views (a given plan carries the numbers it was made with)
-    sens_started = time.perf_counter()
-    if given:
-        all_int8_score, sens = given_sensitivity(given, groups, cfg.metric)
-    else:
-        all_int8_score, sens = sensitivity.measure(
-            [g.name for g in groups], lambda names: encoder_outputs(
-                graphs.package, enc.plain(cache, chosen, names, scratch / "probe.onnx"), sens_images),
-            ref_memory, sensitivity.metric(cfg.metric), ctx.progress)
-    sens_seconds = time.perf_counter() - sens_started
-    lap('sensitivity')
-    ranked = sensitivity.ranking(sens)
-
-    # 3. the plan: given, or searched (one search for the plain graph, the ort_cpu graph, the decoder)
-    search_started = time.perf_counter()
-    if given:
-        plan, std = given, apply_given(given, enc, reads, cache, cfg.plan)
-    else:
-        plan, std = search_plain(enc, ranked, groups, sens, reads, cache, chosen, ctx.progress)
-    lap('plan search (plain graph)')
-    # 3b. the ort_cpu encoder's own plan, searched on that graph: its attention is fused and float,
-    # so only the projections are groups, and the attention products that cost the plain graph's
-    # plan most of its budget are not there to spend it (same ranking, same budget, same search set)
-    if given:
-        check_given_ort(plan, enc)
-        ort = PlanSearch(-1)
-    else:
-        ort = search_ort(enc, plan, ranked, chosen, method_readings, reads, ctx.progress)
-    lap('plan search (ort_cpu graph)')
-    search_seconds = time.perf_counter() - search_started
-
-    # 4. the deliverables: both QDQ encoders from the plan
-    int8 = plan.int8_groups()
-    ort_int8 = [n for n in plan.ort_cpu_int8_groups() if n in enc.ort_groups]
-    final_std = enc.plain(cache, chosen, int8, folder / QDQ_ENCODER)
-    final_ort = enc.ort(chosen, ort_int8, folder / QDQ_ENCODER_ORT)
-    # the search read these very graphs already (same plan, same images): reuse those readings
-    final_reading = std.readings.get(std.float_count) or reads.read(final_std)
-    ort_reading = ort.readings.get(ort.float_count) or reads.read(final_ort)
-
-    lap('final encoders and their readings')
-    # 4b. the ort_cpu decoder: 8-bit weights node by node, as many as the budget allows with the
-    # encoder plan in place (the loss is measured against the package with the float decoder)
-    decoder_reading, decoder_trace, decoder_sens = None, [], []
-    if (given.decoder == "int8") if given else cfg.decoder:
-        n_dec, dec_images, dec_truths, dec_set = decoder_search_set(
-            calib_set, cfg.calib_images, cfg.decoder_search_images, cfg.search_split, search_images, search_truths)
-        with optional_part("quantize's ort_cpu decoder plan", "quantize.decoder=false"):
-            decoder_reading, decoder_trace, decoder_sens = decoder_plan(
-                graphs, folder, scratch, plan, given, dec_images, dec_truths, dec_set, sens_images, max_length,
-                batch, threads, cfg.workers, cfg.budget, reads.chunk, ctx.progress,
-                # the same rows as the search set: the ort_cpu encoder's reading with the float decoder is made
-                ort_reading if n_dec == len(search_truths) else None, cfg.decoder_cross_kv)
-    else:
-        plan.decoder, plan.decoder_nodes, plan.decoder_cross_kv = "float", {}, "float"
-    lap('decoder plan')
-    plan.measured = {
-        "search_set": search_set,
-        "float_exact_match": float_reading.exact_match, "float_cer": float_reading.cer,
-        "plan_exact_match": final_reading.exact_match, "plan_cer": final_reading.cer,
-        "ort_cpu_exact_match": ort_reading.exact_match, "ort_cpu_cer": ort_reading.cer,
-        "int8_mac_share": plan.int8_mac_share(), "all_int8_" + cfg.metric: json_number(all_int8_score),
-        **(decoder_reading or {}),
-    }
-    plan.smoothquant, plan.ort_cpu_activations, plan.qat = alpha, acts, qat_cfg
-    plan.save(folder / "plan.json")
-
+    steps.float_graphs(r)                        # SmoothQuant and QAT when asked, then the float graphs
+    phases.lap('float graphs')
+    steps.float_reading(r)                       # the search set read by the float model
+    phases.lap('float reading of the search set')
+    steps.calibration_methods(r)                 # 1. calibration methods side by side, the ranges
+    phases.lap('calibration methods and ranges')
+    steps.group_sensitivity(r)                   # 2. each group's sensitivity, both views
+    phases.lap('sensitivity')
+    steps.search_plan(r, phases.lap)             # 3. the plan: plain graph, then the ort_cpu graph
+    steps.final_encoders(r)                      # 4. both QDQ encoders and their readings
+    phases.lap('final encoders and their readings')
+    steps.decoder(r)                             # 4b. the ort_cpu decoder's 8-bit weights
+    phases.lap('decoder plan')
+    steps.save_plan(r)
     # 5. the check on eval formulas, beside the anchors (NNCF's judged by our reading of the search set)
-    table = check_on_eval(cfg, ctx, adapter, graphs, folder, calib_set, by_name, plan, scratch, search_seconds,
-                          reads.validate, len(search_truths), reference) if cfg.check or cfg.anchors else []
-    lap('check on eval and anchors')
-    metrics = {
-        "model": model_ref, "method": chosen, "methods": method_rows, "groups": len(groups),
-        "applied_plan": cfg.plan, "carried": plan.carried,
-        "int8_groups": len(int8), "float_groups": sorted(set(by_name) - set(int8)),
-        "int8_mac_share": plan.int8_mac_share(), "met_budget": plan.met_budget, "budget": cfg.budget,
-        "search": plan.measured, "search_n": len(search_truths), "search_trace": std.trace,
-        "ort_cpu_search_trace": ort.trace,
-        # the deployable ort_cpu plan's reading of the search set against float: its loss and how finely
-        # the search set resolves it
-        "ort_cpu_search": {"loss": float_reading.exact_match - ort_reading.exact_match,
-                           **ort_reading.paired(float_reading)},
-        "ort_cpu_int8_groups": len(ort_int8), "ort_cpu_groups": len(enc.ort_groups),
-        "ort_cpu_int8_mac_share": mac_share(by_name, set(ort_int8)), "anchors": table,
-        "decoder_search_trace": decoder_trace, "decoder_sensitivity": decoder_sens,
-        "sensitivity": [{"group": s.group, "only": json_number(s.only), "all_but": json_number(s.all_but),
-                         "gain": json_number(s.gain), "macs": by_name[s.group].macs, "kind": by_name[s.group].kind}
-                        for s in ranked],
-        "all_int8_score": json_number(all_int8_score), "metric": cfg.metric, "smoothquant": alpha,
-        "ort_cpu_activations": acts,
-        "smoothing": prepared.smoothing, "qat": prepared.qat,
-        "seconds": {"sensitivity": round(sens_seconds, 1), "search": round(search_seconds, 1),
-                    "total": round(time.perf_counter() - started, 1)},
-        "phase_seconds": phases.seconds,
-        "decoder": report.decoder_line(plan),
-        "decoder_precision": plan.decoder,
-    }
-    (folder / "quantize.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    report.plots(folder, ranked, by_name, cfg.metric, table)
-    report.write_report(folder, metrics, plan)
+    table = check_on_eval(cfg, ctx, r.adapter, r.graphs, folder, calib_set, r.by_name, r.plan, scratch,
+                          r.search_seconds, r.reads.validate, len(r.search_truths), r.reference) \
+        if cfg.check or cfg.anchors else []
+    phases.lap('check on eval and anchors')
+    metrics = steps.stage_metrics(r, table, phases.seconds)
+    steps.write_outputs(r, metrics, table)
     shutil.rmtree(scratch)
-    if not plan.met_budget and given:
-        log.warning(f"[quantize] the plan from {cfg.plan} loses {std.trace[0]['loss']:.1%} exact match on the search "
-                    f"set (TensorRT/Metax graph), over the budget of {cfg.budget:.1%}; written as given, marked as such")
-    elif not plan.met_budget:
-        log.warning(f"[quantize] no plan met the budget of {cfg.budget:.3f} exact-match loss; "
-                    f"the best found is written to plan.json, marked as such")
-    note = resolution_note(metrics)
-    if note:
-        log.warning(f"[quantize] {note}")
     return metrics

@@ -22,10 +22,11 @@ from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError
-from pipeline.tokenization import compare, curve
-from pipeline.tokenization.atoms import normalize_formula, renderer_commands
+from pipeline.tokenization import curve, measure
+from pipeline.tokenization.atoms import renderer_commands
+from pipeline.tokenization.measure import CHAR_NAME, OURS_NAME, PLAIN_NAME
 from pipeline.tokenization.report import write_report
-from pipeline.tokenization.train import BOS, EOS, PAD, SPECIALS, UNK, train_formula_bpe, train_plain_bpe
+from pipeline.tokenization.train import BOS, EOS, PAD, SPECIALS, UNK, train_plain_bpe
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ NAME = "tokenizer"
 CONFIG_KEY = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
 BASELINE_FILE = "baseline_bytelevel_bpe.json"
-# the three tokenizers the stage compares, in the order its table and summary line show them
-CHAR_NAME, PLAIN_NAME, OURS_NAME = "char-level (model today)", "byte-level BPE (pix2tex)", "ours: atom BPE"
 
 
 @dataclass
@@ -120,22 +119,6 @@ def validate(cfg: TokenizerConfig) -> None:
         raise PipelineError(f"tokenizer.decode_step_ms must be positive, got {cfg.decode_step_ms}")
 
 
-def _normalized(raw: list[str], role: str) -> tuple[list[str], list[str], int]:
-    """(raw, normalized) pairs whose normalized form is not empty, and how many were dropped."""
-    keep_raw, keep_norm = [], []
-    for latex in raw:
-        norm = normalize_formula(latex)
-        if norm:
-            keep_raw.append(latex)
-            keep_norm.append(norm)
-    dropped = len(raw) - len(keep_raw)
-    if not keep_norm:
-        raise PipelineError(f"no {role} formula is left once normalized (all were blank or only a math wrapper)")
-    if dropped:
-        log.warning(f"[tokenizer] {role}: skipped {dropped} formula(s) that are empty once normalized")
-    return keep_raw, keep_norm, dropped
-
-
 def resolve_decode_step_ms(cfg: TokenizerConfig, ctx: StageContext) -> tuple[Optional[float], str]:
     """The cost of one decoder step: the config, else stage evaluate's batch-1 measurement, else unknown.
 
@@ -160,108 +143,42 @@ def run(cfg: TokenizerConfig, ctx: StageContext) -> dict:
     # read here, not after the reuse check: a new evaluate measurement is a changed input
     step_ms, step_source = resolve_decode_step_ms(cfg, ctx)
     inputs["decode_step_ms"] = f"{step_ms} ({step_source})"
-    config = asdict(cfg)
-    with ctx.output(cfg.name, config, inputs) as out:
+    with ctx.output(cfg.name, asdict(cfg), inputs) as out:
         if out.reused:
             log.info(f"[tokenizer] unchanged, reused {out.path}")
             _print_summary(out.metrics)
             return out.manifest
-        train_raw, train_norm, train_dropped = _normalized(sources["train"]["formulas"], "train")
-        eval_raw, eval_norm, eval_dropped = _normalized(sources["eval"]["formulas"], "eval")
-        shift = _normalized(sources["shift"]["formulas"], "shift") if "shift" in sources else None
+        texts = {role: measure.normalized(source["formulas"], role) for role, source in sources.items()}
         extra = [t for t in model_vocabulary if t not in SPECIALS] if cfg.include_model_chars else []
-
-        def train(formulas: list[str], size: int):
-            return train_formula_bpe(formulas, size, extra_atoms=extra, known_commands=known,
-                                     min_frequency=cfg.min_frequency, max_token_atoms=cfg.max_token_atoms,
-                                     min_formulas=cfg.min_formulas)
-        trained = train(train_norm, cfg.vocab_size)
-        ours = trained.tokenizer
+        train = measure.trainer(cfg, extra, known)
+        trained = train(texts["train"][1], cfg.vocab_size)
         # the baseline gets exactly as many entries as ours ended with (merges can run out first)
-        plain = train_plain_bpe(train_norm, ours.get_vocab_size(), min_frequency=cfg.min_frequency)
-        ours.save(str(out.path / TOKENIZER_FILE), pretty=True)
+        plain = train_plain_bpe(texts["train"][1], trained.tokenizer.get_vocab_size(), min_frequency=cfg.min_frequency)
+        trained.tokenizer.save(str(out.path / TOKENIZER_FILE), pretty=True)
         plain.save(str(out.path / BASELINE_FILE), pretty=True)
         write_transformers_config(out.path)
-        loading = check_loading(out.path, eval_raw[:50])
-
-        cands = [compare.char_candidate(CHAR_NAME, char_tok), compare.hf_candidate(PLAIN_NAME, plain),
-                 compare.hf_candidate(OURS_NAME, ours)]
-        seg = {c.name: compare.segmentation_metrics(c, eval_norm) for c in cands}
-        # ours also normalizes: encode the raw spelling, expect its normalized form back
-        seg[OURS_NAME]["round_trip_exact"] = compare.segmentation_metrics(
-            cands[2], eval_norm, expected=eval_norm, raw=eval_raw)["round_trip_exact"]
-        times = {c.name: compare.encode_times(c, eval_raw if c is cands[2] else eval_norm, cfg.timing_repeats)
-                 for c in cands}
-        workload = compare.zipf_workload(eval_raw, cfg.replay_requests, cfg.zipf_exponent, ctx.seed)
-        cache = {key: compare.replay(ours, workload, cfg.cache_capacity, key=key) for key in ("normalized", "raw")}
-        capacities = sorted({16, 64, 256, 1024, 4096, cfg.cache_capacity})
-        sweep = {key: [compare.replay(ours, workload, c, key=key, time_hits=False)["hit_rate"] for c in capacities]
-                 for key in ("normalized", "raw")}
-
-        held_fit, held_out = curve.holdout(train_norm, cfg.curve_holdout, ctx.seed)
-        eval_sets = {"held-out train": held_out, "eval": eval_norm}
-        if shift is not None:
-            eval_sets["shift"] = shift[1]
-        size_curve = curve.vocab_curve(train, train_norm, held_fit, sorted(set(cfg.curve_sizes) | {cfg.vocab_size}),
-                                       eval_sets, cands[0], cfg.curve_tolerance, progress=ctx.progress)
-        steps = {name: s["tokens_mean"] + 1 for name, s in seg.items()}  # + eos; bos is given, not decoded
-        metrics = {
-            "train": {k: v for k, v in sources["train"].items() if k != "formulas"}
-            | {"formulas": len(train_norm), "empty_after_normalization": train_dropped},
-            "eval": {k: v for k, v in sources["eval"].items() if k != "formulas"}
-            | {"formulas": len(eval_norm), "empty_after_normalization": eval_dropped},
-            "vocab_size": ours.get_vocab_size(),
-            "vocab_size_configured": cfg.vocab_size,
-            "alphabet_atoms": len(trained.alphabet),
-            "command_prefixes": len(trained.command_prefixes),
-            "whole_commands": len(trained.whole_commands),
-            "learned_merges": trained.learned_merges,
-            "tokenizers": {name: {**seg[name], **times[name], "decode_steps_mean": steps[name]} for name in seg},
-            "reduction_vs_char": seg[CHAR_NAME]["tokens_mean"] / seg[OURS_NAME]["tokens_mean"],
-            "reduction_vs_plain_bpe": seg[PLAIN_NAME]["tokens_mean"] / seg[OURS_NAME]["tokens_mean"],
-            "decode_step_ms": step_ms,
-            "decode_step_source": step_source,
-            "decode_steps_saved_vs_char": steps[CHAR_NAME] - steps[OURS_NAME],
-            "decode_steps_saved_vs_plain_bpe": steps[PLAIN_NAME] - steps[OURS_NAME],
-            "decode_ms_saved_vs_char": None if step_ms is None else (steps[CHAR_NAME] - steps[OURS_NAME]) * step_ms,
-            "decode_ms_saved_vs_plain_bpe": None if step_ms is None else (steps[PLAIN_NAME] - steps[OURS_NAME]) * step_ms,
-            "cache": cache,
-            "cache_sweep": {"capacities": capacities, **sweep},
-            "replay": {"requests": cfg.replay_requests, "zipf_exponent": cfg.zipf_exponent, "seed": ctx.seed,
-                       "distinct_formulas": len(set(eval_raw))},
-            "loading": loading,
-            "curve": size_curve,
-        }
-        if shift is not None:
-            shift_raw, shift_norm, shift_dropped = shift
-            shift_seg = {c.name: compare.segmentation_metrics(c, shift_norm) for c in cands}
-            shift_seg[OURS_NAME]["round_trip_exact"] = compare.segmentation_metrics(
-                cands[2], shift_norm, expected=shift_norm, raw=shift_raw)["round_trip_exact"]
-            metrics["shift"] = {
-                **{k: v for k, v in sources["shift"].items() if k != "formulas"},
-                "formulas": len(shift_norm), "empty_after_normalization": shift_dropped,
-                "tokenizers": shift_seg,
-                "reduction_vs_char": shift_seg[CHAR_NAME]["tokens_mean"] / shift_seg[OURS_NAME]["tokens_mean"],
-                "reduction_vs_plain_bpe": shift_seg[PLAIN_NAME]["tokens_mean"] / shift_seg[OURS_NAME]["tokens_mean"],
-            }
-        metrics["targets"] = {
-            "tokens >= 2.5x fewer than char-level": metrics["reduction_vs_char"] >= 2.5,
-            **({} if shift is None else {
-                "shift split: tokens >= 2.5x fewer than char-level": metrics["shift"]["reduction_vs_char"] >= 2.5,
-                "shift split: 0 LaTeX commands split": metrics["shift"]["tokenizers"][OURS_NAME]["commands_split"] == 0,
-            }),
-            "vocab_size is the held-out train choice": size_curve["chosen_size"] == cfg.vocab_size,
-            "fewer tokens than plain BPE": seg[OURS_NAME]["tokens_mean"] < seg[PLAIN_NAME]["tokens_mean"],
-            "0 LaTeX commands split": seg[OURS_NAME]["commands_split"] == 0,
-            "round trip 100 %": seg[OURS_NAME]["round_trip_exact"] == 1.0,
-            "cached encode <= 0.05 ms": cache["normalized"]["ms_per_request"] <= 0.05,
-            "cache hit rate >= 95 %": cache["normalized"]["hit_rate"] >= 0.95,
-        }
+        loading = check_loading(out.path, texts["eval"][0][:50])
+        cands = measure.candidates(char_tok, plain, trained.tokenizer)
+        size_curve = _size_curve(cfg, ctx, train, texts, cands[0])
+        metrics = measure.comparison(cfg, ctx.seed, sources, texts, trained, plain, cands, size_curve, step_ms,
+                                     step_source, loading)
         out.metrics.update(metrics)
         (out.path / "comparison.json").write_text(json.dumps(metrics, indent=2, ensure_ascii=False))
-        write_report(out.path, metrics, [c.name for c in cands], examples=_examples(ours, plain, eval_norm))
+        write_report(out.path, metrics, [c.name for c in cands],
+                     examples=_examples(trained.tokenizer, plain, texts["eval"][1]))
     _print_summary(metrics)
     return out.manifest
+
+
+def _size_curve(cfg: TokenizerConfig, ctx: StageContext, train, texts: dict, char_candidate) -> dict:
+    """Tokens per formula against vocabulary size, the size chosen on held-out train formulas."""
+    train_norm = texts["train"][1]
+    held_fit, held_out = curve.holdout(train_norm, cfg.curve_holdout, ctx.seed)
+    eval_sets = {"held-out train": held_out, "eval": texts["eval"][1]}
+    if "shift" in texts:
+        eval_sets["shift"] = texts["shift"][1]
+    return curve.vocab_curve(train, train_norm, held_fit, sorted(set(cfg.curve_sizes) | {cfg.vocab_size}),
+                             eval_sets, char_candidate, cfg.curve_tolerance, progress=ctx.progress)
 
 
 def write_transformers_config(folder: Path) -> None:

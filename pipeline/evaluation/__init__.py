@@ -117,3 +117,32 @@ def latency_batch1(adapter: ModelAdapter, images: torch.Tensor, max_length: int,
     n = max(len(images), 1)
     return {"n": len(images), "encoder_ms": 1000 * enc / n, "decoder_ms": 1000 * dec / n,
             "total_ms": 1000 * (enc + dec) / n, "decoder_ms_per_step": 1000 * dec / max(steps, 1)}
+
+
+def evaluate_sources(adapter: ModelAdapter, loaded: dict, max_length: int, batch_size: int, model: str,
+                     image_match: bool, use_cache: bool, progress: bool) -> tuple[dict, list[dict]]:
+    """Each source of ``loaded`` ({key: (items, description)}) read and scored: the metrics (the first
+    source's at the top level, every source's under ``splits`` when there are several) and the rows."""
+    per_split: dict[str, dict] = {}
+    rows: list[dict] = []
+    for key, (items, source) in loaded.items():
+        result = evaluate_items(adapter, items, max_length, batch_size, image_match=image_match, progress=progress,
+                                use_cache=use_cache, desc=f"decode {key}")
+        per_split[key] = {**result["metrics"], "source": source, "model": model}
+        rows += [{"split": key, **r} for r in result["rows"]]
+    metrics = dict(per_split[next(iter(loaded))])  # the first split's figures stay at the top level, as before
+    if len(per_split) > 1:
+        metrics["splits"] = per_split
+    return metrics, rows
+
+
+def latency_of(adapter: ModelAdapter, items: Sequence[EvalItem], max_length: int) -> dict:
+    """Batch-1 latency on ``items``, with the shipped decoder and, when the adapter has one, the
+    KV-cached one ({} for no items)."""
+    if not items:
+        return {}
+    sample = torch.stack([it.image for it in items])
+    out = {"latency_batch1": latency_batch1(adapter, sample, max_length)}
+    if adapter.cached_decoder() is not None:
+        out["latency_batch1_cached"] = latency_batch1(adapter, sample, max_length, use_cache=True)
+    return out
