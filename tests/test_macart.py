@@ -190,7 +190,8 @@ def test_decode_script_imports_numpy_and_onnxruntime_only():
         found = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         return found | {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
 
-    stdlib = {"__future__", "argparse", "collections", "importlib", "json", "re", "sys", "pathlib", "threading", "typing"}
+    stdlib = {"__future__", "argparse", "collections", "dataclasses", "importlib", "json", "re", "sys", "pathlib",
+              "threading", "typing"}
     assert roots(macart_env.DECODER) - stdlib == {"numpy", "onnxruntime"}
     decoding = macart_env.DECODER.parent.parent / "pipeline" / "decoding.py"
     assert decoding.is_file() and roots(decoding) - stdlib == {"numpy"}
