@@ -204,3 +204,21 @@ def find_package(ref: Optional[str], artifacts_dir: Path, key: str) -> Path:
         return found
     raise InputError(f"{key}={ref}: not an exported package folder (no {PACKAGE_META}) nor an export "
                      f"under {artifacts_dir}; run stage=export first")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``text`` into ``path`` through a temporary file beside it, renamed into place: a reader (or an
+    interrupted run) sees the old file or the whole new one, never half of it."""
+    return replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def replace_file(path: str | Path, write) -> Path:
+    """``write(tmp)`` fills a temporary file beside ``path``, then it is renamed onto ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
