@@ -64,10 +64,12 @@ def check_reachable(address: str, key: str, timeout_s: float = 3.0) -> None:
         raise ConfigError(f"{key}={address}: Ray is not reachable there ({exc.strerror or exc})") from None
 
 
-def connect(address: Optional[str], key: str, num_cpus: int, progress: Optional[bool] = None) -> bool:
+def connect(address: Optional[str], key: str, num_cpus: int, progress: Optional[bool] = None,
+            metrics_port: int = 0) -> bool:
     """Join the cluster at ``address`` (``auto``, ``host:port``, ``ray://host:port``) or start a local
-    one on 127.0.0.1 with ``num_cpus``; a Ray already initialised in this process (a test's) is used as
-    it is. Returns whether this call connected (then the caller shuts it down)."""
+    one on 127.0.0.1 with ``num_cpus`` (and Ray's Prometheus endpoint on ``metrics_port``, where not 0);
+    a Ray already initialised in this process (a test's) is used as it is. Returns whether this call
+    connected (then the caller shuts it down)."""
     import ray
 
     if ray.is_initialized():
@@ -82,8 +84,9 @@ def connect(address: Optional[str], key: str, num_cpus: int, progress: Optional[
             raise ConfigError(f"{key}={address}: Ray is not reachable there "
                               f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
         return True
+    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-             _node_ip_address=LOCALHOST, **quiet)
+             _node_ip_address=LOCALHOST, **quiet, **extra)
     return True
 
 

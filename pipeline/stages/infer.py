@@ -2,11 +2,12 @@
 
 ``python -m pipeline stage=infer infer.package=<folder or export stage name> infer.image=<image or folder>``
 prints ``<file>\\t<latex>`` per image (sorted by name); ``infer.output=FILE`` also writes them.
+``infer.engine=ray`` reads the folder with Ray Data on an actor pool (pipeline/cluster/data.py), an error
+row for each file that cannot be read, to ``infer.output`` as JSON Lines or Parquet.
 """
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,8 +124,7 @@ def run_ray(cfg: InferConfig, ctx: StageContext) -> dict:
         check_max_length(cfg.max_length, package.max_positions, f"package {folder}", "infer.max_length")
     threads = cfg.threads or 1
     actors = cfg.actors or max(1, cluster.cores() // threads)
-    progress = ctx.cfg.get("progress")
-    progress = sys.stderr.isatty() if progress is None else bool(progress)
+    progress = ctx.progress
     connected = cluster.connect(cfg.address, "infer.address", cluster.cores(), progress)
     try:
         t0 = time.perf_counter()

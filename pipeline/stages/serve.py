@@ -3,7 +3,9 @@
 ``python -m pipeline stage=serve serve.package=<folder or export stage name>`` serves
 ``POST /predict`` (an image as the body, or a multipart form's file) -> ``{"latex", "ms", ...}``,
 ``GET /health`` and ``GET /metrics`` (Prometheus) on ``serve.host:serve.port`` until SIGTERM or
-Ctrl-C, then drains and exits 0. Usage and measurements: docs/serve.md.
+Ctrl-C, then drains and exits 0. ``serve.engine=ray`` serves the same contract from a Ray Serve
+deployment (pipeline/cluster/serve.py) on a local cluster or the one at ``serve.address``. Usage and
+measurements: docs/serve.md.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class ServeConfig:
     max_replicas: int = 0
     target_ongoing_requests: float = 0  # autoscaling's target per replica; 0 = serve.max_batch
     write_config: Optional[str] = None  # write a `serve deploy` config (YAML) of the deployment here and exit
+    metrics_port: int = 0              # a local cluster's Prometheus endpoint (Ray's and Serve's metrics); 0 = none
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -71,9 +74,10 @@ class ServeConfig:
         check_range("serve.max_replicas", self.max_replicas, 0, why="0 = no autoscaling: serve.replicas")
         if self.max_replicas and self.min_replicas > self.max_replicas:
             raise ConfigError(f"serve.min_replicas={self.min_replicas} is over serve.max_replicas={self.max_replicas}")
+        check_range("serve.metrics_port", self.metrics_port, 0, 65535, why="0 = none")
         check_range("serve.target_ongoing_requests", self.target_ongoing_requests, 0, why="0 = serve.max_batch")
-        if self.engine is Engine.builtin and (self.address or self.write_config):
-            raise ConfigError("serve.address and serve.write_config are for serve.engine=ray")
+        if self.engine is Engine.builtin and (self.address or self.write_config or self.metrics_port):
+            raise ConfigError("serve.address, serve.write_config and serve.metrics_port are for serve.engine=ray")
 
 
 Config = ServeConfig
@@ -146,7 +150,7 @@ def run_ray(cfg: ServeConfig, ctx: StageContext) -> dict:
         files.write_text_atomic(cfg.write_config, text)
         print(f"wrote {cfg.write_config}: serve deploy {cfg.write_config} (or a RayService's serveConfigV2)")
         return {"config": cfg.write_config, "package": str(folder)}
-    connected = cluster.connect(cfg.address, "serve.address", cores(), ctx.cfg.get("progress"))
+    connected = cluster.connect(cfg.address, "serve.address", cores(), ctx.progress, cfg.metrics_port)
     try:
         from pipeline.cluster.serve import app_args, serve_until_signal
 
@@ -155,8 +159,9 @@ def run_ray(cfg: ServeConfig, ctx: StageContext) -> dict:
                    else f"{replicas} replica(s)")
 
         def announce(host: str, bound: int) -> None:
+            metrics = f"; Ray's metrics: http://{cluster.LOCALHOST}:{cfg.metrics_port}" if cfg.metrics_port else ""
             print(f"serving http://{host}:{bound} (POST /predict, GET /health, GET /metrics): {folder}, Ray Serve, "
-                  f"{scaling} x {threads} thread(s), batches up to {cfg.max_batch}", flush=True)
+                  f"{scaling} x {threads} thread(s), batches up to {cfg.max_batch}{metrics}", flush=True)
 
         serve_until_signal(app_args(**args_of), cfg.host, port, announce)
     finally:
