@@ -59,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--posted", type=int, default=8, help="images posted at once to serve.engine=ray")
+    ap.add_argument("--greedy", action="store_true", help="both engines plain greedy (infer.speculative=false): "
+                    "a package with a drafter otherwise reads image by image")
+    ap.add_argument("--no-serve", dest="serve", action="store_false", help="only the infer comparison")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="ray-engines-"))
@@ -68,9 +71,10 @@ def main(argv=None) -> int:
     for i, data in enumerate(images):
         (folder / f"{i:05d}.png").write_bytes(data)
     n = len(images)
-    builtin = infer(args.package, folder, work / "builtin.tsv", ["infer.batch_size=8"])
-    ray = infer(args.package, folder, work / "ray.jsonl", ["infer.engine=ray", "infer.batch_size=8",
-                                                          f"infer.actors={args.actors}", f"infer.threads={args.threads}"])
+    how = ["infer.batch_size=8", f"infer.speculative={str(not args.greedy).lower()}"]
+    builtin = infer(args.package, folder, work / "builtin.tsv", how)
+    ray = infer(args.package, folder, work / "ray.jsonl", ["infer.engine=ray", *how, f"infer.actors={args.actors}",
+                                                          f"infer.threads={args.threads}"])
     expected = dict(line.split("\t", 1) for line in (work / "builtin.tsv").read_text(encoding="utf-8").splitlines())
     rows = [json.loads(line) for line in (work / "ray.jsonl").read_text(encoding="utf-8").splitlines()]
     differ = sum(expected.get(Path(r["path"]).name) != r["latex"] for r in rows)
@@ -80,6 +84,8 @@ def main(argv=None) -> int:
         print(f"| {name} | {n} | {wall:.1f} | {reading:.1f} | {n / wall:.2f} | {n / reading:.2f} | "
               f"{differ if name.startswith('ray') else '-'} |")
     print(f"ray / builtin images/s: command {builtin[0] / ray[0]:.2f}x, reading {builtin[1] / ray[1]:.2f}x", flush=True)
+    if not args.serve:
+        return 0 if differ == 0 else 1
 
     server = serve_load.Server(args.package, ["serve.engine=ray", f"serve.max_batch={args.posted}",
                                               "serve.max_wait_ms=200"], work / "serve-artifacts")
