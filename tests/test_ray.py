@@ -63,10 +63,13 @@ def pkg(work) -> Path:
 @pytest.fixture(scope="module")
 def ray_address():
     """One local Ray for the module: this process is its driver; the stages' processes join it."""
+    from pipeline import cluster
+
+    # ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 MB) on 127.0.0.1 alone
+    cluster.start_local(num_cpus=2, object_store_bytes=100 * 1024 * 1024)
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
-             _node_ip_address="127.0.0.1", log_to_driver=False)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

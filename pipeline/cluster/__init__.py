@@ -64,29 +64,44 @@ def check_reachable(address: str, key: str, timeout_s: float = 3.0) -> None:
         raise ConfigError(f"{key}={address}: Ray is not reachable there ({exc.strerror or exc})") from None
 
 
+def start_local(num_cpus: int, object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES, log_to_driver: bool = False,
+                metrics_port: int = 0) -> None:
+    """A local Ray cluster on 127.0.0.1 alone: ``num_cpus``, no dashboard, a capped object store (and
+    Ray's Prometheus endpoint on ``metrics_port``, where not 0)."""
+    # Ray advertises a local node on its routable address even when told 127.0.0.1, unless it is not
+    # a cluster node (read when ray is first imported); a local cluster is this machine's alone
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home: this machine has no network
+    import ray
+
+    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store_bytes,
+             _node_ip_address=LOCALHOST, logging_level=logging.WARNING, log_to_driver=log_to_driver, **extra)
+
+
 def connect(address: Optional[str], key: str, num_cpus: int, progress: Optional[bool] = None,
             metrics_port: int = 0) -> bool:
     """Join the cluster at ``address`` (``auto``, ``host:port``, ``ray://host:port``) or start a local
-    one on 127.0.0.1 with ``num_cpus`` (and Ray's Prometheus endpoint on ``metrics_port``, where not 0);
-    a Ray already initialised in this process (a test's) is used as it is. Returns whether this call
-    connected (then the caller shuts it down)."""
+    one (:func:`start_local`); a Ray already initialised in this process (a test's) is used as it is.
+    Returns whether this call connected (then the caller shuts it down)."""
+    if not address:
+        import ray
+
+        if ray.is_initialized():
+            return False
+        start_local(num_cpus, log_to_driver=bool(progress), metrics_port=metrics_port)
+        return True
+    check_reachable(address, key)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home: this machine has no network
-    quiet = dict(logging_level=logging.WARNING, log_to_driver=bool(progress), configure_logging=True)
-    if address:
-        check_reachable(address, key)
-        try:
-            ray.init(address=address, **quiet)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise ConfigError(f"{key}={address}: Ray is not reachable there "
-                              f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})") from None
-        return True
-    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-             _node_ip_address=LOCALHOST, **quiet, **extra)
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=bool(progress))
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}={address}: Ray is not reachable there ({first})") from None
     return True
 
 
