@@ -22,6 +22,9 @@ from PIL import Image
 
 from conftest import REPO, compose_cfg, make_ctx, run_cli
 
+# Ray's own modules warn of pydantic and Ray Data deprecations on import; ours still would show
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
+
 FORMULAS = ["x^2", "a+b", r"\frac{a}{b}"]
 EXPORT = ["model.max_length=16", "export.parity_images=1", "export.parity_limit=2", "export.min_identical=0",
           "export.drafter=none"]  # no drafter: no corpus to build
@@ -230,3 +233,26 @@ def test_an_unreachable_address_is_one_line_and_an_unknown_engine_is_refused_at_
     assert proc.returncode == 2 and "expected one of [builtin, ray]" in proc.stderr.strip(), proc.stderr
     with pytest.raises(Exception, match="writes .jsonl or .parquet"):
         OmegaConf.to_object(compose_cfg(["infer.engine=ray", "infer.output=x.tsv"]).infer)
+
+
+def test_write_config_is_a_serve_deploy_config_of_the_same_application(pkg, tmp_path, capsys):
+    import yaml
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from pipeline.cluster.serve import build
+    from pipeline.stages import serve
+
+    out = tmp_path / "serve.yaml"
+    ctx = make_ctx(tmp_path / "art", [f"serve.package={pkg}", "serve.engine=ray", f"serve.write_config={out}",
+                                      "serve.host=0.0.0.0", "serve.max_replicas=4", "serve.max_batch=4"])
+    serve.run(OmegaConf.to_object(ctx.cfg.serve), ctx)  # writes and returns: no cluster, no server
+    assert "serve deploy" in capsys.readouterr().out
+    config = yaml.safe_load(out.read_text())
+    ServeDeploySchema.model_validate(config)  # what `serve deploy` and a RayService accept
+    app = config["applications"][0]
+    assert app["import_path"] == "pipeline.cluster.serve:build" and app["route_prefix"] == "/"
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert app["args"]["package"] == str(pkg.resolve()) and app["args"]["max_batch"] == 4
+    assert isinstance(call_user_app_builder_with_args_if_necessary(build, app["args"]), Application)
