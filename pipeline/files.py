@@ -103,6 +103,18 @@ def image_files(folder: str | Path, key: str) -> list[Path]:
     return paths
 
 
+def image_list(path: str | Path, key: str) -> list[Path]:
+    """The images a text file lists, one path a line (blank lines and ``#`` comments skipped), relative
+    ones from the list's folder, in the list's order. A listed file that is missing is kept: the
+    reader reports it with the others it cannot read."""
+    path = Path(path)
+    lines = [ln.strip() for ln in read_text(path, key).splitlines()]
+    paths = [Path(ln) if Path(ln).is_absolute() else path.parent / ln for ln in lines if ln and not ln.startswith("#")]
+    if not paths:
+        raise InputError(f"{key}={path}: lists no image path (one path a line)")
+    return paths
+
+
 def open_image(path: str | Path) -> Image.Image:
     """Decode one image fully, refusing what is not an image or too big before it is decoded.
 

@@ -256,3 +256,23 @@ def test_write_config_is_a_serve_deploy_config_of_the_same_application(pkg, tmp_
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert app["args"]["package"] == str(pkg.resolve()) and app["args"]["max_batch"] == 4
     assert isinstance(call_user_app_builder_with_args_if_necessary(build, app["args"]), Application)
+
+
+def test_a_list_of_paths_is_read_in_its_order_and_a_missing_one_is_reported(work, pkg, infer_answers, tmp_path):
+    from pipeline import files
+    from pipeline.errors import InputError
+    from pipeline.stages import infer
+
+    listing = work / "images" / "some.txt"
+    listing.write_text("# two of the three, and one that is not there\nf2.png\n\nmissing.png\n"
+                       f"{work / 'images' / 'f0.png'}\n", encoding="utf-8")
+    try:
+        assert [p.name for p in files.image_list(listing, "infer.image")] == ["f2.png", "missing.png", "f0.png"]
+        ctx = make_ctx(tmp_path / "art", [f"infer.package={pkg}", f"infer.image={listing}"])
+        result = infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)
+        assert result["predictions"] == {k: infer_answers[k] for k in ("f2.png", "f0.png")}
+        (tmp_path / "empty.txt").write_text("# nothing\n", encoding="utf-8")
+        with pytest.raises(InputError, match="lists no image path"):
+            files.image_list(tmp_path / "empty.txt", "infer.image")
+    finally:
+        listing.unlink()  # the folder is the other tests' input

@@ -28,7 +28,7 @@ CONFIG_KEY = "infer"
 @dataclass
 class InferConfig:
     package: Optional[str] = None      # exported package folder, or an export stage's name under the root
-    image: Optional[str] = None        # an image file, or a folder of images
+    image: Optional[str] = None        # an image file, a folder of images, or a .txt file of image paths (one a line)
     max_length: Optional[int] = None   # decode cap incl. BOS; null = the package's
     batch_size: int = 8                # images a decoder call reads (plain greedy); with speculative: 1
     speculative: bool = True           # a package with a drafter reads image by image, speculatively (token for
@@ -54,6 +54,8 @@ class InferConfig:
 
 Config = InferConfig
 
+LIST_SUFFIX = ".txt"  # infer.image=paths.txt: the images it lists
+
 
 def image_paths(ref: Optional[str]) -> list[Path]:
     if not ref:
@@ -61,6 +63,8 @@ def image_paths(ref: Optional[str]) -> list[Path]:
     path = Path(ref)
     if path.is_dir():
         return files.image_files(path, "infer.image")
+    if path.is_file() and path.suffix.lower() == LIST_SUFFIX:
+        return files.image_list(path, "infer.image")
     if not path.is_file():
         raise InputError(f"infer.image={ref}: no such file or folder")
     return [path]
