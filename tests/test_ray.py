@@ -8,11 +8,10 @@ Nothing here is timed: a batch window is made long, never raced."""
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import io
 import json
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -21,6 +20,11 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import REPO, compose_cfg, make_ctx, run_cli
+
+# the load test's server process helper (stage=serve on a free port, its banner, SIGTERM)
+spec = importlib.util.spec_from_file_location("serve_load", REPO / "benchmarks" / "serve_load.py")
+serve_load = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(serve_load)
 
 # Ray's own modules warn of pydantic and Ray Data deprecations on import; ours still would show
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")
@@ -112,36 +116,19 @@ def test_ray_data_reads_the_folder_as_stage_infer_and_a_broken_file_gets_its_err
     assert pq.read_table(tmp_path / "readings.parquet").to_pylist() == rows
 
 
-class Server:
-    """``python -m pipeline stage=serve serve.engine=ray`` joining the module's cluster."""
+def request(server, method: str, path: str, body: bytes | None = None, ctype: str | None = None):
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": ctype} if ctype else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
 
-    def __init__(self, pkg: Path, address: str, artifacts: Path, extra: list[str]):
-        from pipeline.cluster import free_port
 
-        self.host, self.port = "127.0.0.1", free_port("127.0.0.1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "stage=serve", "serve.engine=ray", f"serve.package={pkg}",
-             f"serve.address={address}", f"serve.port={self.port}", f"artifacts.dir={artifacts}", "progress=false",
-             *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.err: list[str] = []
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
-        for line in self.proc.stdout:  # the stage prints this line once Serve answers
-            if line.startswith("serving http://"):
-                return
-        raise AssertionError(f"the server never came up: {self.proc.wait()} {self.err[-5:]}")
-
-    def request(self, method: str, path: str, body: bytes | None = None, ctype: str | None = None):
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
-        try:
-            conn.request(method, path, body=body, headers={"Content-Type": ctype} if ctype else {})
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
-
-    def predict(self, data: bytes, ctype: str = "image/png") -> tuple[int, dict]:
-        status, body = self.request("POST", "/predict", data, ctype)
-        return status, json.loads(body)
+def predict(server, data: bytes, ctype: str = "image/png") -> tuple[int, dict]:
+    status, body = request(server, "POST", "/predict", data, ctype)
+    return status, json.loads(body)
 
 
 def multipart(data: bytes, boundary: str = "formula-boundary") -> tuple[bytes, str]:
@@ -161,8 +148,8 @@ def side_by_side(fn, args: list) -> list:
     return out
 
 
-def in_flight(server: Server) -> float:
-    text = server.request("GET", "/metrics")[1].decode()
+def in_flight(server) -> float:
+    text = request(server, "GET", "/metrics")[1].decode()
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("formula_serve_in_flight ")))
 
 
@@ -171,11 +158,13 @@ def test_ray_serve_answers_as_stage_infer_refuses_hostile_bodies_and_drains_on_s
         work, pkg, ray_address, infer_answers, tmp_path):
     images = [(work / "images" / f"f{i}.png").read_bytes() for i in range(3)]
     # one replica whose batches wait 3 s for a fourth image: three requests sent together are one batch
-    server = Server(pkg, ray_address, tmp_path, ["serve.replicas=1", "serve.max_batch=4", "serve.max_wait_ms=3000",
-                                                 "serve.max_bytes=200000", "serve.read_timeout_s=1"])
+    # stage=serve serve.engine=ray, a process of its own joining the module's cluster
+    server = serve_load.Server(str(pkg), ["serve.engine=ray", f"serve.address={ray_address}", "serve.replicas=1",
+                                          "serve.max_batch=4", "serve.max_wait_ms=3000", "serve.max_bytes=200000",
+                                          "serve.read_timeout_s=1"], tmp_path)
     try:
         form, form_type = multipart(images[2])
-        got = side_by_side(server.predict, [(images[0],), (images[1],), (form, form_type)])
+        got = side_by_side(predict, [(server, images[0]), (server, images[1]), (server, form, form_type)])
         assert [s for s, _ in got] == [200, 200, 200], got
         assert [b["latex"] for _, b in got] == [infer_answers[f"f{i}.png"] for i in range(3)]
         assert [b["batch"] for _, b in got] == [3, 3, 3]
@@ -192,20 +181,20 @@ def test_ray_serve_answers_as_stage_infer_refuses_hostile_bodies_and_drains_on_s
             "form without a field": (b"--b--\r\n", "multipart/form-data; boundary=b", 400, "multipart"),
         }
         for name, (data, ctype, code, words) in cases.items():
-            status, body = server.request("POST", "/predict", data, ctype)
+            status, body = request(server, "POST", "/predict", data, ctype)
             assert status == code, (name, status, body)
             assert words in json.loads(body)["error"], (name, body)
-        assert server.request("GET", "/nowhere")[0] == 404 and server.request("GET", "/predict")[0] == 405
-        status, body = server.request("GET", "/health")
+        assert request(server, "GET", "/nowhere")[0] == 404 and request(server, "GET", "/predict")[0] == 405
+        status, body = request(server, "GET", "/health")
         assert status == 200 and json.loads(body)["status"] == "ok"
-        metrics = server.request("GET", "/metrics")[1].decode()
+        metrics = request(server, "GET", "/metrics")[1].decode()
         assert 'formula_serve_batch_size_bucket{le="3.0"} 1.0' in metrics
         for reason in ("bad_image", "too_large", "content_type", "empty", "multipart"):
             assert f'formula_serve_errors_total{{reason="{reason}"}}' in metrics, reason
 
         # SIGTERM with three requests waiting in the replica's batch: all three answered, exit 0
         pending = [None] * 3
-        threads = [threading.Thread(target=lambda i=i: pending.__setitem__(i, server.predict(images[i])))
+        threads = [threading.Thread(target=lambda i=i: pending.__setitem__(i, predict(server, images[i])))
                    for i in range(3)]
         for t in threads:
             t.start()

@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.export.runtime import OnnxPackage, preprocess_image
-from pipeline.serving.app import HttpError, Limits, check_declared_length, read_limited, request_image
+from pipeline.serving.app import (PATHS, HttpError, Limits, check_declared_length, check_route, read_limited,
+                                  request_image)
 from pipeline.serving.metrics import ServeMetrics
 from pipeline.serving.scheduler import Reading, read_batch
 
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "formula"
 IMPORT_PATH = "pipeline.cluster.serve:build"
-PATHS = ("/predict", "/health", "/metrics")
 
 
 @serve.deployment(name="FormulaReader")
@@ -62,11 +62,7 @@ class FormulaReader:
     async def __call__(self, request: Request) -> Response:
         path, method = request.url.path, request.method
         try:
-            if path not in PATHS:
-                raise HttpError(404, "not_found", f"no {path}; POST /predict, GET /health, GET /metrics")
-            want = "POST" if path == "/predict" else "GET"
-            if method != want:
-                raise HttpError(405, "method", f"{method} {path}: use {want}")
+            check_route(path, method)
             if path == "/health":
                 return self._answer(path, 200, json.dumps({"status": "ok", **self.info}).encode())
             if path == "/metrics":

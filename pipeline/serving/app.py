@@ -52,6 +52,15 @@ class Limits:
     header_timeout_s: float = 10.0  # the request line and headers must arrive within this
 
 
+def check_route(path: str, method: str) -> None:
+    """404 for a path the server has not, 405 for the wrong method on one it has."""
+    if path not in PATHS:
+        raise HttpError(404, "not_found", f"no {path}; POST /predict, GET /health, GET /metrics")
+    want = "POST" if path == "/predict" else "GET"
+    if method != want:
+        raise HttpError(405, "method", f"{method} {path}: use {want}")
+
+
 def check_content_type(ctype: str) -> None:
     if not (ctype.startswith("image/") or ctype in RAW_TYPES or ctype == MULTIPART):
         raise HttpError(415, "content_type", f"content type {ctype or '(none)'!r}: send the image file itself "
@@ -176,11 +185,7 @@ class ServeApp:
         path, method = scope["path"], scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         try:
-            if path not in PATHS:
-                raise HttpError(404, "not_found", f"no {path}; POST /predict, GET /health, GET /metrics")
-            want = "POST" if path == "/predict" else "GET"
-            if method != want:
-                raise HttpError(405, "method", f"{method} {path}: use {want}")
+            check_route(path, method)
             if path == "/health":
                 status = 503 if self.draining else 200
                 body = {"status": "draining" if self.draining else "ok", "workers": self.scheduler.workers,
