@@ -10,12 +10,11 @@ measurements: docs/serve.md.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 from pipeline import files
-from pipeline.cluster import Engine
+from pipeline.cluster import Engine, cores
 from pipeline.context import StageContext, check_max_length
 from pipeline.errors import ConfigError, check_range
 from pipeline.export.runtime import OnnxPackage, preprocess_image
@@ -81,10 +80,6 @@ class ServeConfig:
 
 
 Config = ServeConfig
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def run(cfg: ServeConfig, ctx: StageContext) -> dict:
