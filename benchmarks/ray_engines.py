@@ -1,6 +1,6 @@
 """The Ray engines against the builtin ones on a package: the same readings, and how fast.
 
-1. Renders the first ``--formulas`` eval formulas into a folder, reads it with ``stage=infer``
+1. Renders the first ``--formulas`` formulas of ``--split`` (eval) into a folder, reads it with ``stage=infer``
    (``infer.batch_size=8``) and with ``stage=infer infer.engine=ray`` (``--actors`` actors x
    ``--threads`` threads), each as its own command; reports both commands' wall time, the stage's own
    reading time (the ``[infer] ... in X s`` line) and images/s, and the readings that differ.
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("package")
     ap.add_argument("corpus", type=Path)
     ap.add_argument("--formulas", type=int, default=200)
+    ap.add_argument("--split", default="eval", help="the corpus split rendered (eval: 574 formulas; train: more)")
     ap.add_argument("--actors", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--posted", type=int, default=8, help="images posted at once to serve.engine=ray")
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ray-engines-"))
     folder = work / "images"
     folder.mkdir()
-    _, images = serve_load.eval_images(args.corpus, args.formulas)
+    _, images = serve_load.eval_images(args.corpus, args.formulas, args.split)
     for i, data in enumerate(images):
         (folder / f"{i:05d}.png").write_bytes(data)
     n = len(images)

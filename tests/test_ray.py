@@ -95,6 +95,7 @@ def infer_answers(work, pkg) -> dict[str, str]:
 def test_ray_data_reads_the_folder_as_stage_infer_and_a_broken_file_gets_its_error_row(
         work, pkg, ray_address, infer_answers, tmp_path, capsys):
     from pipeline.cluster.data import write_rows
+    from pipeline.errors import ConfigError
     from pipeline.stages import infer
 
     out = tmp_path / "readings.jsonl"
@@ -109,6 +110,11 @@ def test_ray_data_reads_the_folder_as_stage_infer_and_a_broken_file_gets_its_err
     assert [r["latex"] for r in rows[1:]] == [infer_answers[f"f{i}.png"] for i in range(3)]
     assert all(r["error"] is None for r in rows[1:])
     assert "3 image(s) read, 1 error(s)" in capsys.readouterr().out
+    # an actor wider than the cluster would wait for ever: refused in one line
+    ctx = make_ctx(tmp_path / "art", [f"infer.package={pkg}", f"infer.image={work / 'images'}", "infer.engine=ray",
+                                      "infer.threads=3"])
+    with pytest.raises(ConfigError, match="infer.threads=3: .* the Ray cluster has 2"):
+        infer.run(OmegaConf.to_object(ctx.cfg.infer), ctx)
     # Parquet, the same rows (the writer alone: no second pass over the folder)
     import pyarrow.parquet as pq
 

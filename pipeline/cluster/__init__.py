@@ -105,6 +105,17 @@ def connect(address: Optional[str], key: str, num_cpus: int, progress: Optional[
     return True
 
 
+def check_cpus(per_worker: int, key: str) -> None:
+    """A replica or actor that asks for more CPUs than the whole cluster has would never be placed
+    (Ray waits for it for ever): refused in one line instead."""
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 0)
+    if per_worker > total:
+        raise ConfigError(f"{key}={per_worker}: each replica / actor takes that many CPUs, and the Ray "
+                          f"cluster has {total:g}")
+
+
 def disconnect(connected: bool) -> None:
     if connected:
         import ray

@@ -131,6 +131,7 @@ def run_ray(cfg: InferConfig, ctx: StageContext) -> dict:
     progress = ctx.progress
     connected = cluster.connect(cfg.address, "infer.address", cluster.cores(), progress)
     try:
+        cluster.check_cpus(threads, "infer.threads")
         t0 = time.perf_counter()
         rows = read_paths(paths, folder, actors, threads, cfg.batch_size, cfg.speculative, cfg.max_length, progress)
         seconds = time.perf_counter() - t0

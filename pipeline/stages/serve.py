@@ -147,6 +147,7 @@ def run_ray(cfg: ServeConfig, ctx: StageContext) -> dict:
         return {"config": cfg.write_config, "package": str(folder)}
     connected = cluster.connect(cfg.address, "serve.address", cores(), ctx.progress, cfg.metrics_port)
     try:
+        cluster.check_cpus(threads, "serve.threads")
         from pipeline.cluster.serve import app_args, serve_until_signal
 
         port = cfg.port or cluster.free_port(cfg.host)
