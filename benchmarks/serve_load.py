@@ -1,5 +1,8 @@
 """Load test of stage serve: a real server process on localhost, concurrent clients, eval formulas.
 
+The load test proper is now ``benchmarks/serve_locust.py`` (locust, both engines); this hand-written
+client stays for SIGTERM under load (``--drain``) and as the server helper the tests use (:class:`Server`).
+
 Renders the first ``--formulas`` formulas of the eval split (the corpus artifact's formulas.jsonl)
 to PNG, reads them once with ``stage=infer`` (the reference answers), then for each server setting
 (batched: the stage's defaults or the given overrides; ``--baseline``: one worker, ``max_batch=1``)

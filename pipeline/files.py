@@ -103,6 +103,18 @@ def image_files(folder: str | Path, key: str) -> list[Path]:
     return paths
 
 
+def image_list(path: str | Path, key: str) -> list[Path]:
+    """The images a text file lists, one path a line (blank lines and ``#`` comments skipped), relative
+    ones from the list's folder, in the list's order. A listed file that is missing is kept: the
+    reader reports it with the others it cannot read."""
+    path = Path(path)
+    lines = [ln.strip() for ln in read_text(path, key).splitlines()]
+    paths = [Path(ln) if Path(ln).is_absolute() else path.parent / ln for ln in lines if ln and not ln.startswith("#")]
+    if not paths:
+        raise InputError(f"{key}={path}: lists no image path (one path a line)")
+    return paths
+
+
 def open_image(path: str | Path) -> Image.Image:
     """Decode one image fully, refusing what is not an image or too big before it is decoded.
 
@@ -204,3 +216,21 @@ def find_package(ref: Optional[str], artifacts_dir: Path, key: str) -> Path:
         return found
     raise InputError(f"{key}={ref}: not an exported package folder (no {PACKAGE_META}) nor an export "
                      f"under {artifacts_dir}; run stage=export first")
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``text`` into ``path`` through a temporary file beside it, renamed into place: a reader (or an
+    interrupted run) sees the old file or the whole new one, never half of it."""
+    return replace_file(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def replace_file(path: str | Path, write) -> Path:
+    """``write(tmp)`` fills a temporary file beside ``path``, then it is renamed onto ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

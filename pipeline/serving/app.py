@@ -13,17 +13,16 @@ of this, by the server's protocol (:mod:`.protocol`).
 from __future__ import annotations
 
 import asyncio
-import email.parser
-import email.policy
 import io
 import json
 import logging
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import numpy as np
+from PIL import Image
 
 from pipeline import files
 from pipeline.errors import ImageError, InputError
@@ -31,6 +30,8 @@ from pipeline.serving.metrics import ServeMetrics
 from pipeline.serving.scheduler import Draining, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
+# python-multipart logs every malformed form it is sent; a hostile request is answered 400, not logged
+logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
 
 PATHS = ("/predict", "/health", "/metrics")
 # what POST /predict takes: the image file itself, or a form with it as a file field
@@ -51,8 +52,13 @@ class Limits:
     header_timeout_s: float = 10.0  # the request line and headers must arrive within this
 
 
-def content_type(headers: dict[bytes, bytes]) -> str:
-    return headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+def check_route(path: str, method: str) -> None:
+    """404 for a path the server has not, 405 for the wrong method on one it has."""
+    if path not in PATHS:
+        raise HttpError(404, "not_found", f"no {path}; POST /predict, GET /health, GET /metrics")
+    want = "POST" if path == "/predict" else "GET"
+    if method != want:
+        raise HttpError(405, "method", f"{method} {path}: use {want}")
 
 
 def check_content_type(ctype: str) -> None:
@@ -61,44 +67,95 @@ def check_content_type(ctype: str) -> None:
                         f"(image/*, application/octet-stream) or a {MULTIPART} form with it as a file")
 
 
-def image_from_form(body: bytes, header: bytes) -> bytes:
-    """The first file field (else the first field) of a ``multipart/form-data`` body."""
-    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(b"Content-Type: " + header + b"\r\n\r\n" + body)
-    if not msg.is_multipart():
-        raise HttpError(400, "multipart", "a multipart/form-data body without a boundary or parts")
-    parts = list(msg.iter_parts())
-    named = [p for p in parts if p.get_filename()] or parts
-    if not named:
+def image_from_form(body: bytes, header: bytes | str) -> bytes:
+    """The first file field (else the first field) of a ``multipart/form-data`` body (python-multipart)."""
+    from python_multipart import parse_form
+    from python_multipart.exceptions import FormParserError
+
+    fields, uploads = [], []
+    header = header.encode("latin-1") if isinstance(header, str) else header
+    try:
+        parse_form({"Content-Type": header, "Content-Length": str(len(body)).encode()}, io.BytesIO(body),
+                   fields.append, uploads.append)
+    except FormParserError as exc:  # no boundary, a malformed part (its ValueError subclasses too)
+        raise HttpError(400, "multipart", f"a multipart/form-data body that cannot be parsed: {exc}") from None
+    if uploads:
+        upload = uploads[0].file_object
+        upload.seek(0)
+        data = upload.read()
+    elif fields:
+        data = fields[0].value or b""
+    else:
         raise HttpError(400, "multipart", "a multipart/form-data body with no field; send the image as a file field")
-    data = named[0].get_payload(decode=True)
     if not data:
         raise HttpError(400, "multipart", "the form's file field is empty")
     return data
 
 
-async def read_body(receive, headers: dict[bytes, bytes], limits: Limits) -> bytes:
-    """The request body, at most ``limits.max_bytes``, all of it within ``limits.read_timeout_s``."""
-    declared = headers.get(b"content-length")
+def check_declared_length(declared: bytes | str | None, limits: Limits) -> None:
+    """A declared body over ``limits.max_bytes`` is refused before it is read (413)."""
+    if isinstance(declared, bytes):
+        declared = declared.decode("latin-1")
     if declared is not None and declared.strip().isdigit() and int(declared) > limits.max_bytes:
         raise HttpError(413, "too_large", f"body of {int(declared):,} bytes is over serve.max_bytes={limits.max_bytes:,}")
 
-    async def chunks() -> bytes:
+
+async def read_limited(chunks: AsyncIterator[bytes], limits: Limits) -> bytes:
+    """A body from its chunks, at most ``limits.max_bytes``, all of it within ``limits.read_timeout_s``
+    (the guard of both engines: this server's ASGI messages, or a Starlette request's stream under Ray)."""
+
+    async def gather() -> bytes:
         body = bytearray()
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > limits.max_bytes:
+                raise HttpError(413, "too_large", f"body over serve.max_bytes={limits.max_bytes:,} bytes")
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(gather(), limits.read_timeout_s)
+    except asyncio.TimeoutError:
+        raise HttpError(408, "slow_client", f"the body did not arrive within serve.read_timeout_s="
+                        f"{limits.read_timeout_s:g} s") from None
+
+
+async def read_body(receive, headers: dict[bytes, bytes], limits: Limits) -> bytes:
+    """The request body of an ASGI request, at most ``limits.max_bytes``, within ``limits.read_timeout_s``."""
+    check_declared_length(headers.get(b"content-length"), limits)
+
+    async def chunks() -> AsyncIterator[bytes]:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise HttpError(400, "disconnect", "the client went away before the body ended")
-            body += message.get("body", b"")
-            if len(body) > limits.max_bytes:
-                raise HttpError(413, "too_large", f"body over serve.max_bytes={limits.max_bytes:,} bytes")
+            yield message.get("body", b"")
             if not message.get("more_body", False):
-                return bytes(body)
+                return
 
-    try:
-        return await asyncio.wait_for(chunks(), limits.read_timeout_s)
-    except asyncio.TimeoutError:
-        raise HttpError(408, "slow_client", f"the body did not arrive within serve.read_timeout_s="
-                        f"{limits.read_timeout_s:g} s") from None
+    return await read_limited(chunks(), limits)
+
+
+async def request_image(ctype_header: bytes | str, read: Callable[[], Awaitable[bytes]],
+                        prepare: Callable[[Image.Image], np.ndarray]) -> np.ndarray:
+    """A ``POST /predict`` request's image as the package's input array, through every guard in turn:
+    the content type (415), the body (``read``: within the limits, 413 / 408), a form's file field,
+    an empty body (400), and :func:`pipeline.files.decode_image` (400), off the event loop. Both engines."""
+    header = ctype_header.decode("latin-1") if isinstance(ctype_header, bytes) else ctype_header
+    ctype = header.split(";")[0].strip().lower()
+    check_content_type(ctype)
+    body = await read()
+    if ctype == MULTIPART:
+        body = image_from_form(body, header)
+    if not body:
+        raise HttpError(400, "empty", "empty body; send an image")
+
+    def decode() -> np.ndarray:
+        return prepare(files.decode_image(io.BytesIO(body), "request body"))
+
+    try:  # decoding a large image takes milliseconds: off the event loop
+        return await asyncio.get_running_loop().run_in_executor(None, decode)
+    except ImageError as exc:
+        raise HttpError(400, "bad_image", str(exc)) from None
 
 
 class ServeApp:
@@ -128,11 +185,7 @@ class ServeApp:
         path, method = scope["path"], scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         try:
-            if path not in PATHS:
-                raise HttpError(404, "not_found", f"no {path}; POST /predict, GET /health, GET /metrics")
-            want = "POST" if path == "/predict" else "GET"
-            if method != want:
-                raise HttpError(405, "method", f"{method} {path}: use {want}")
+            check_route(path, method)
             if path == "/health":
                 status = 503 if self.draining else 200
                 body = {"status": "draining" if self.draining else "ok", "workers": self.scheduler.workers,
@@ -150,19 +203,9 @@ class ServeApp:
     async def _predict(self, receive, send, headers: dict[bytes, bytes]) -> None:
         if self.draining:
             raise HttpError(503, "draining", "the server is draining (SIGTERM); no new requests")
-        ctype = content_type(headers)
-        check_content_type(ctype)
         started = time.perf_counter()
-        body = await read_body(receive, headers, self.limits)
-        if ctype == MULTIPART:
-            body = image_from_form(body, headers.get(b"content-type", b""))
-        if not body:
-            raise HttpError(400, "empty", "empty body; send an image")
-        loop = asyncio.get_running_loop()
-        try:  # decoding a large image takes milliseconds: off the event loop
-            image = await loop.run_in_executor(None, self._decode, body)
-        except ImageError as exc:
-            raise HttpError(400, "bad_image", str(exc)) from None
+        image = await request_image(headers.get(b"content-type", b""),
+                                    lambda: read_body(receive, headers, self.limits), self.prepare)
         self.metrics.in_flight.inc()
         try:
             try:
@@ -183,9 +226,6 @@ class ServeApp:
         body = {"latex": reading.latex, "ms": round(1000 * seconds, 2), "batch": reading.batch,
                 "speculative": reading.speculative, "hit_cap": reading.hit_cap}
         await self._send(send, "/predict", 200, json.dumps(body).encode())
-
-    def _decode(self, body: bytes) -> np.ndarray:
-        return self.prepare(files.decode_image(io.BytesIO(body), "request body"))
 
     async def _send(self, send, path: str, status: int, body: bytes, ctype: str = "application/json",
                     close: bool = False) -> None:
