@@ -532,3 +532,35 @@ def test_float_original_is_also_read_as_users_ran_it_before_denormals_were_flush
                "benchmark.summary=false", "benchmark.name=plain-off", "model.flush_denormals=false",
                "benchmark.samples=1", "benchmark.torch_limit=1", "benchmark.full_prefix_limit=1")["metrics"]
     assert "float-original (plain ORT)" not in {v["label"] for v in off["variants"]}  # nothing to compare with
+
+
+def test_the_readme_table_is_generated_from_a_summary_and_names_the_machine(tmp_path):
+    """README's results table comes from a run's summary.json (benchmarks/readme_table.py prints or checks
+    it), its ratios against the plain float original, the machine named."""
+    import subprocess
+    import sys
+
+    def row(label, em, p50, ips, kept=None):
+        return {"label": label, "exact_match": em, "cer": 0.2, "accuracy_n": 574, "latency": {"p50_ms": p50},
+                "images_per_s": ips, "size_mb": 10.0, "tokens_kept": kept,
+                "splits": {"shift": {"exact_match": em - 0.05, "cer": 0.25, "n": 382}}}
+
+    payload = {"threads": 1, "machine": {"cpu": "Some CPU", "cores": 2, "platform": "Linux"},
+               "variants": [row("torch m", 0.5, 2000, 0.5), row("float-original (plain ORT)", 0.556, 200, 4.0),
+                            row("float-original", 0.556, 100, 8.0),
+                            row("deployable", 0.587, 50, 16.0, {"mean": 210.4, "p95": 384, "share": 0.2, "n": 574})]}
+    table = summary.readme_table(payload)
+    assert "on Some CPU, 2 cores (Linux)" in table and "Eval split (574 formulas), shift split (382" in table
+    lines = [l for l in table.splitlines() if l.startswith("| `")]
+    assert [l.split(" | ")[0] for l in lines] == ["| `float-original (plain ORT)`", "| `float-original`", "| `deployable`"]
+    assert "50 (4.00x)" in lines[2] and "16.00 (4.00x)" in lines[2] and "210 / 384" in lines[2]
+    assert lines[0].rstrip(" |").endswith("all")
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(payload))
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "readme_table.py"
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n" + table + "\n")
+    assert subprocess.run([sys.executable, str(script), str(path), "--check", str(readme)]).returncode == 0
+    readme.write_text("# x\n\nan old table\n")
+    done = subprocess.run([sys.executable, str(script), str(path), "--check", str(readme)], capture_output=True, text=True)
+    assert done.returncode == 1 and "does not hold the table" in done.stderr

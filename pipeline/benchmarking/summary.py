@@ -26,6 +26,54 @@ def _f(v: Any, fmt: str) -> str:
     return "–" if v is None else format(v, fmt)
 
 
+# the README's results table: these rows of a run's summary.json, in this order (those the run has)
+README_ROWS = ("float-original (plain ORT)", "float-original", "deployable")
+README_BASE = ("float-original (plain ORT)", "float-original")  # the ratios' base: the first the run has
+
+
+def readme_table(payload: dict) -> str:
+    """The README's results table from a run's ``summary.json``: both splits' exact match and CER, batch-1
+    p50 and images/s at batch 8 with their ratio to the plain float original, size, tokens kept; and the
+    machine it ran on. Generated, never typed (``benchmarks/readme_table.py`` writes or checks it)."""
+    rows = {v["label"]: v for v in payload["variants"]}
+    base = next((rows[b] for b in README_BASE if b in rows), None)
+    if base is None:
+        raise ValueError(f"summary has none of {', '.join(README_BASE)} to take the ratios against")
+    out = []
+    for label in (r for r in README_ROWS if r in rows):
+        v = rows[label]
+        shift = v.get("splits", {}).get("shift", {})
+        p50, ips = v["latency"]["p50_ms"], v["images_per_s"]
+        out.append([f"`{label}`", f"{v['exact_match']:.3f}", f"{v['cer']:.3f}", _f(shift.get("exact_match"), ".3f"),
+                    _f(shift.get("cer"), ".3f"), f"{p50:.0f} ({base['latency']['p50_ms'] / p50:.2f}x)",
+                    f"{ips:.2f} ({ips / base['images_per_s']:.2f}x)", f"{v['size_mb']:.1f}", _kept(v.get("tokens_kept"))])
+    n = base["accuracy_n"]
+    shift_n = base.get("splits", {}).get("shift", {}).get("n")
+    head = (f"Eval split ({n} formulas), shift split ({shift_n} formulas from packages training never saw); batch 1, "
+            f"{payload.get('threads', 1)} thread; on {machine_line(payload.get('machine'))}:")
+    return head + "\n\n" + markdown_table(["variant", "exact match (eval)", "CER (eval)", "exact match (shift)",
+                                          "CER (shift)", "p50 ms", "images/s (batch 8)", "size MB", "tokens kept"],
+                                         out)
+
+
+def machine() -> dict:
+    """The machine a run measures on: its CPU model, cores this process may use, the platform."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo", encoding="utf-8")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "cores": cores, "platform": platform.platform()}
+
+
+def machine_line(m: dict | None) -> str:
+    return f"{m['cpu']}, {m['cores']} cores ({m['platform']})" if m else "a machine it did not record"
+
+
 def _kept(stats: dict | None) -> str:
     """A row's tokens kept per image: "mean / p95", or "all" for an encoder that reads every token."""
     return "all" if not stats else f"{stats['mean']:.0f} / {stats['p95']:.0f}"
@@ -156,11 +204,13 @@ def write_summary(root: Path, benchmark_folder: Path, metrics: dict) -> tuple[Pa
             seen.add(v["location"])
             packages.append({"label": v["label"], "folder": v["location"], "model": v.get("model"),
                              "precision": v.get("precision")})
-    payload = {"benchmark": rel, "variants": metrics["variants"], "serving": metrics.get("serving"),
+    where = metrics.get("machine") or machine()
+    payload = {"benchmark": rel, "machine": where, "threads": metrics.get("threads"),
+               "variants": metrics["variants"], "serving": metrics.get("serving"),
                "packages": packages, "stages": stages, "notes": metrics.get("notes", [])}
     lines = ["# Run summary", "",
              f"Benchmark: [{rel}/report.md]({rel}/report.md); ratios against `{metrics['shipped']}` "
-             f"(the shipped model, full-prefix decoder), from one run on this machine; "
+             f"(the shipped model, full-prefix decoder), from one run on {machine_line(where)}; "
              f"{metrics['threads']} thread(s) per variant.", "", table(metrics["variants"]), ""]
     if metrics.get("serving"):
         lines += ["Serving (threads sharing one package's sessions):", "", serving_table(metrics["serving"]), ""]

@@ -208,7 +208,8 @@ def _measure(cfg: BenchmarkConfig, ctx: StageContext, folders: dict[str, Path], 
     metrics = {"shipped": lineup.shipped.label, "reference": lineup.reference.label, "n_formulas": len(truths),
                "source": source, "max_length": max_length, "threads": int(cfg.threads), "batch_size": cfg.batch_size,
                "latency_images": latency[lineup.shipped.label]["n"], "extra_splits": list(other), "variants": table,
-               "serving": serving, "notes": notes, "speculative": spec, "phase_seconds": phases.seconds}
+               "serving": serving, "notes": notes, "speculative": spec, "phase_seconds": phases.seconds,
+               "machine": summary.machine()}
     report.write_artifacts(folder, metrics, main, other, lineup.sharing, BASELINE_LABEL)
     return metrics
 
