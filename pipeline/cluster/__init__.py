@@ -72,6 +72,9 @@ def start_local(num_cpus: int, object_store_bytes: int = LOCAL_OBJECT_STORE_BYTE
     # a cluster node (read when ray is first imported); a local cluster is this machine's alone
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home: this machine has no network
+    # Serve gives its HTTP proxy 3 x 5 s to come up, then kills and restarts it; on a loaded 2-core machine
+    # its first imports took longer (measured: killed three times over, the stage never served)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     import ray
 
     extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
