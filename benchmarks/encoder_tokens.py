@@ -1,0 +1,62 @@
+"""The encoder's time per image, package against package, and the tokens each keeps: batch 1, one
+thread, images interleaved across the packages (each in its own session mode), on the first N
+formulas of a split.
+
+    python benchmarks/encoder_tokens.py artifacts export-ort_cpu tokens-float --split eval --n 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.context import StageContext  # noqa: E402
+from pipeline.data.render import render_inputs  # noqa: E402
+from pipeline.export.runtime import OnnxPackage  # noqa: E402
+from pipeline.files import package_path  # noqa: E402
+from pipeline.tokens.policy import stats  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", type=Path)
+    ap.add_argument("packages", nargs="+", help="package folders (under artifacts, or paths)")
+    ap.add_argument("--split", default="eval")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    folders = [package_path(p, args.artifacts) for p in args.packages]
+    if None in folders:
+        print(f"error: no package at {args.packages[folders.index(None)]} under {args.artifacts}", file=sys.stderr)
+        return 2
+    packages = [OnnxPackage(f, threads=1) for f in folders]
+    ctx = StageContext.compose(args.artifacts)
+    formulas = ctx.split(args.split)[:args.n]
+    images = np.stack([x for _, _, x in render_inputs([(f.id, f.latex) for f in formulas], packages[0].preprocess,
+                                                        None, False, "render")]).astype(np.float32)
+    ms = {i: [] for i in range(len(packages))}
+    for _ in range(args.rounds):
+        for image in images:
+            for i, p in enumerate(packages):
+                p.encode(image[None])  # warm, and the mode
+                t0 = time.perf_counter()
+                p.encode(image[None])
+                ms[i].append(1000 * (time.perf_counter() - t0))
+    base = float(np.median(ms[0]))
+    print(f"{len(images)} {args.split} formulas, batch 1, 1 thread, {args.rounds} rounds interleaved")
+    for i, (p, name) in enumerate(zip(packages, args.packages)):
+        kept = stats([p.token_policy.count(p.token_policy.ranks(im)) for im in images], p.token_policy.num_patches) \
+            if p.token_policy is not None else None
+        med = float(np.median(ms[i]))
+        print(f"{name}: encoder p50 {med:.1f} ms, mean {np.mean(ms[i]):.1f} ms ({base / med:.2f}x the first); tokens "
+              + (f"kept mean {kept['mean']:.0f}, p95 {kept['p95']:.0f} ({100 * kept['share']:.0f} %)" if kept else "all"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
