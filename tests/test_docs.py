@@ -68,3 +68,15 @@ def test_each_stage_page_links_its_dated_records_and_each_record_its_page():
     assert {p.name for p in records} <= linked, sorted({p.name for p in records} - linked)
     for p in records:
         assert any(t.startswith("../") and t.endswith(".md") for t in _relative_links(p)), p.name
+
+
+def test_the_readmes_results_table_is_the_one_its_run_summary_gives():
+    """README's table is generated (benchmarks/readme_table.py) from the run summary its comment names."""
+    import json
+
+    from pipeline.benchmarking.summary import readme_table
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    source = re.search(r"<!-- results table: benchmarks/readme_table.py (\S+) -->", readme)
+    assert source, "README names the summary its results table comes from"
+    assert readme_table(json.loads((REPO / source.group(1)).read_text(encoding="utf-8"))) in readme
