@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.export.runtime import OnnxPackage, preprocess_image
-from pipeline.serving.app import (PATHS, HttpError, Limits, check_declared_length, check_route, read_limited,
-                                  request_image)
+from pipeline.serving.app import (PATHS, HttpError, Limits, check_declared_length, check_route, predict_answer,
+                                  read_limited, request_image)
 from pipeline.serving.metrics import ServeMetrics
 from pipeline.serving.scheduler import Reading, read_batch
 
@@ -88,11 +88,7 @@ class FormulaReader:
             raise HttpError(500, "internal", f"the reading failed: {type(exc).__name__}") from None
         finally:
             self.metrics.in_flight.dec()
-        seconds = time.perf_counter() - started
-        self.metrics.latency.observe(seconds)
-        answer = {"latex": reading.latex, "ms": round(1000 * seconds, 2), "batch": reading.batch,
-                  "speculative": reading.speculative, "hit_cap": reading.hit_cap}
-        return self._answer("/predict", 200, json.dumps(answer).encode())
+        return self._answer("/predict", 200, predict_answer(self.metrics, reading, started))
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01)  # set from the arguments in __init__
     async def read(self, images: list[np.ndarray]) -> list[Reading]:

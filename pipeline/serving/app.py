@@ -158,6 +158,15 @@ async def request_image(ctype_header: bytes | str, read: Callable[[], Awaitable[
         raise HttpError(400, "bad_image", str(exc)) from None
 
 
+def predict_answer(metrics, reading, started: float) -> bytes:
+    """``POST /predict``'s answer to a reading that began at ``started`` (``time.perf_counter``), its
+    latency observed: one body for every engine."""
+    seconds = time.perf_counter() - started
+    metrics.latency.observe(seconds)
+    return json.dumps({"latex": reading.latex, "ms": round(1000 * seconds, 2), "batch": reading.batch,
+                       "speculative": reading.speculative, "hit_cap": reading.hit_cap}).encode()
+
+
 class ServeApp:
     """The ASGI app. ``prepare`` turns a decoded image into the package's input array."""
 
@@ -221,11 +230,7 @@ class ServeApp:
                 raise HttpError(500, "internal", f"the reading failed: {type(exc).__name__}") from None
         finally:
             self.metrics.in_flight.dec()
-        seconds = time.perf_counter() - started
-        self.metrics.latency.observe(seconds)
-        body = {"latex": reading.latex, "ms": round(1000 * seconds, 2), "batch": reading.batch,
-                "speculative": reading.speculative, "hit_cap": reading.hit_cap}
-        await self._send(send, "/predict", 200, json.dumps(body).encode())
+        await self._send(send, "/predict", 200, predict_answer(self.metrics, reading, started))
 
     async def _send(self, send, path: str, status: int, body: bytes, ctype: str = "application/json",
                     close: bool = False) -> None:
