@@ -13,6 +13,8 @@ side environments import it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import platform
 import sys
 from typing import Iterator
@@ -49,16 +51,21 @@ _FTZ_DAZ = 0x8040
 _MXCSR_OFFSET = 28  # glibc's x86-64 fenv_t: the x87 environment (28 bytes), then __mxcsr (4 bytes)
 
 
-def _set_mxcsr(flush: bool) -> bool:
+@functools.lru_cache(maxsize=1)
+def _libm():
+    """The C math library, where glibc's fenv functions are (x86-64 Linux only; None elsewhere)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    import ctypes
+        return None
     import ctypes.util
 
     name = ctypes.util.find_library("m")
-    if name is None:
+    return ctypes.CDLL(name) if name else None
+
+
+def _set_mxcsr(flush: bool) -> bool:
+    libm = _libm()
+    if libm is None:
         return False
-    libm = ctypes.CDLL(name)
     env = (ctypes.c_ubyte * 32)()
     if libm.fegetenv(ctypes.byref(env)) != 0:
         return False
