@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from conftest import REPO, compose_cfg, make_ctx, run_cli
+from serve_client import multipart, side_by_side
 
 # the load test's server process helper (stage=serve on a free port, its banner, SIGTERM)
 spec = importlib.util.spec_from_file_location("serve_load", REPO / "benchmarks" / "serve_load.py")
@@ -135,23 +136,6 @@ def request(server, method: str, path: str, body: bytes | None = None, ctype: st
 def predict(server, data: bytes, ctype: str = "image/png") -> tuple[int, dict]:
     status, body = request(server, "POST", "/predict", data, ctype)
     return status, json.loads(body)
-
-
-def multipart(data: bytes, boundary: str = "formula-boundary") -> tuple[bytes, str]:
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhello\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.png\"\r\n"
-            f"Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    return body, f"multipart/form-data; boundary={boundary}"
-
-
-def side_by_side(fn, args: list) -> list:
-    out = [None] * len(args)
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(*args[i]))) for i in range(len(args))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def in_flight(server) -> float:

@@ -21,6 +21,7 @@ from PIL import Image
 from pipeline.data.render import render_formula
 from pipeline.errors import ConfigError
 from conftest import REPO, make_ctx, run_cli
+from serve_client import multipart, side_by_side
 from export_session import FORMULAS, artifacts_root, ort_package  # one export per session
 
 pytestmark = pytest.mark.slow  # the package is the real model exported
@@ -84,23 +85,6 @@ def request(server, method: str, path: str, body: bytes | None = None, headers: 
 def predict(server, data: bytes, ctype: str = "image/png") -> tuple[int, dict]:
     status, _, body = request(server, "POST", "/predict", data, {"Content-Type": ctype})
     return status, json.loads(body)
-
-
-def multipart(data: bytes, boundary: str = "formula-boundary") -> tuple[bytes, str]:
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhello\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"f.png\"\r\n"
-            f"Content-Type: image/png\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()
-    return body, f"multipart/form-data; boundary={boundary}"
-
-
-def side_by_side(fn, args: list) -> list:
-    out = [None] * len(args)
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(*args[i]))) for i in range(len(args))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
 
 
 def wait_for_queue(server, n: int) -> None:
