@@ -48,15 +48,15 @@ def _tiny_with_calib_set(root):
 
 @pytest.mark.slow
 def test_prune_quantize_export_hand_over_and_an_unchanged_rerun_reuses(tmp_path, monkeypatch):
-    from pipeline.stages import export
+    from pipeline.export import steps
 
     original, adapter = _tiny_with_calib_set(tmp_path)
     baselines = ["quantize.original=true", "export.baselines=true",  # stage=all's thorough settings
                  "quantize.qat_steps=2", "quantize.qat_images=8",
                  "prune.key_pool_layers=[0]", "prune.key_pool=[2,2]"]  # layer 0 pooled: q/k/v split there
     decoded = []  # models whose torch parity reading was decoded (not handed over from another package)
-    real = export.token_parity
-    monkeypatch.setattr(export, "token_parity", lambda adapter, *a, reference=None, **k: (
+    real = steps.token_parity
+    monkeypatch.setattr(steps, "token_parity", lambda adapter, *a, reference=None, **k: (
         decoded.append(adapter) if reference is None else None) or real(adapter, *a, reference=reference, **k))
     first = _chain(tmp_path, original, baselines)
     assert len(decoded) == 2  # the pruned model's reading serves its float package, the original's its INT8 one

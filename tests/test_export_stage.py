@@ -300,7 +300,7 @@ def test_a_quantization_aware_finetuned_package_is_held_to_reading_as_well_not_t
     import json
 
     from pipeline.export.parity import FINETUNED_MAX_EXACT_LOSS, TokenParity, check_tolerances
-    from pipeline.stages.export import _finetuned
+    from pipeline.export.steps import finetuned as _finetuned
 
     tensors = {"encoder.memory": {"cosine": 0.997, "snr_db": 22.6}}
     tol = {"min_cosine": 0.98, "min_snr_db": 12.0, "min_identical": 0.6}

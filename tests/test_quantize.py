@@ -566,7 +566,7 @@ def test_export_takes_quantize_model_and_int8_encoder_per_target(root, searched,
         references.append(reference)
         return real(*args, reference=reference, **kwargs)
 
-    monkeypatch.setattr("pipeline.stages.export.token_parity", counting)
+    monkeypatch.setattr("pipeline.export.steps.token_parity", counting)
     manifests = _export(root, "export.targets=[ort_cpu,metax]")
     assert set(manifests) == {"ort_cpu", "metax"}
     # one torch decode for both targets of the same model: the second is handed the first's reading

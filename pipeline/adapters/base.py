@@ -156,7 +156,7 @@ class ModelAdapter(abc.ABC):
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int:
-        """Token ids run 0 .. vocab_size - 1 (the decoder's output width)."""
+        """Token ids are 0 .. vocab_size - 1 (the decoder's output width)."""
 
     @abc.abstractmethod
     def encode_text(self, latex: str) -> list[int]:

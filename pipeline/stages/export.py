@@ -10,48 +10,24 @@ imports), and for ort_cpu and TensorRT a Triton Inference Server model repositor
 """
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import torch
-from omegaconf import OmegaConf
-from tqdm import tqdm
-
-from pipeline.artifacts import atomic_write_dir
-from pipeline.context import StageContext, file_hash
-from pipeline.data.render import render_inputs
+from pipeline.context import StageContext
 from pipeline.errors import PipelineError, optional_part
-from pipeline.files import read_formulas
-from pipeline.names import (FLOAT_BASELINE, FLOAT_CHAIN, INT8_DECODERS_BY_TARGET, INT8_ORIGINAL, QDQ_ENCODERS,
-                            QUANTIZE_ORIGINAL)
+from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, QUANTIZE_ORIGINAL
 from pipeline.export import drafter as spec
+from pipeline.export import steps
 from pipeline.export.graphs import VERIFY_WIDTH
-from pipeline.export import tensorrt as trt_build
-from pipeline.export import triton
-from pipeline.export.build import build_graphs
-from pipeline.export.package import write_package
-from pipeline.export.parity import check_tolerances, reused_reference, tensor_parity, token_parity
-from pipeline.export.report import write_report
-from pipeline.export.runtime import OnnxPackage
-from pipeline.export.targets import KNOWN, resolve_target, target_config, target_configs
+from pipeline.export.targets import KNOWN, target_config, target_configs
 from pipeline.export.triton import TritonConfig
-from pipeline.export.validator import check_triton_repository
 
 log = logging.getLogger(__name__)
 
 NAME = "export"
 CONFIG_KEY = "export"
-
-# parity tolerances by the least precise graph in the package (export.min_* override them)
-TOLERANCES = {
-    "fp32": {"min_cosine": 0.9999, "min_snr_db": 40.0, "min_identical": 0.95},
-    "fp16": {"min_cosine": 0.999, "min_snr_db": 25.0, "min_identical": 0.9},
-    "int8": {"min_cosine": 0.98, "min_snr_db": 12.0, "min_identical": 0.6},
-}
 
 
 @dataclass
@@ -100,9 +76,9 @@ class ExportConfig:
     draft_len: int = 8                   # drafted tokens a decoder_verify call checks (besides the last written);
                                          # at most the graph's width - 1 (export/graphs.py: VERIFY_WIDTH)
     # train formulas the package reads to build the ngram drafter (null: the whole split; 1,779 readings
-    # against 256: 3.10x instead of 2.90x fewer calls on calib, benchmarks/speculative.py, 2026-12-05)
+    # against 256: 3.10x instead of 2.90x fewer calls on calib, benchmarks/speculative.py)
     draft_images: Optional[int] = None
-    # the ngram settings: the least decoder time on calib (benchmarks/speculative.py, 2026-12-05: 256 train
+    # the ngram settings: the least decoder time on calib (benchmarks/speculative.py: 256 train
     # readings build it, 256 calib readings judge it; est. 1.61x less decoder time, 2.90x fewer calls)
     ngram_order: int = 12                # longest context (tokens) the ngram drafter keys on
     ngram_min_count: int = 2             # a context must be seen this often to propose
@@ -116,7 +92,7 @@ class ExportConfig:
     min_speculative_identical: float = 0.8   # share of the parity formulas whose speculative reading must equal the
                                          # package's greedy one: the verify graph's attention (several rows)
                                          # rounds unlike the step's (one row), so an INT8 package's near-ties can
-                                         # flip (whole splits, 2026-12-04: 97.0 % eval, 95.5 % shift identical)
+                                         # flip (whole splits: 97.0 % eval, 95.5 % shift identical)
     speculative_tie_margin: float = 0.25  # ... and a reading that differs must first differ where the package's
                                          # step logits put the two tokens within this (logits; the flips seen:
                                          # 0.003-0.08): a wider one is a broken verify graph, cache or loop
@@ -126,57 +102,6 @@ class ExportConfig:
 
 
 Config = ExportConfig
-
-
-def _formulas(cfg: ExportConfig, ctx: StageContext) -> tuple[list, list, dict[str, str]]:
-    """(id, latex) pairs for the tensor parity (calib) and the token parity (eval), and their hash."""
-    if cfg.formulas:
-        path = Path(cfg.formulas)
-        pairs = [(f"line{i}", ln) for i, ln in read_formulas(path, "export.formulas")]
-        return pairs, pairs, {"formulas": file_hash(path)}
-    calib = [(f.id, f.latex) for f in ctx.split("calib")]
-    evals = [(f.id, f.latex) for f in ctx.split("eval")]
-    return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
-
-
-def _chain(cfg: ExportConfig, ctx: StageContext, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
-    """(model reference, QDQ encoder or None, INT8 decoders, what was handed over):
-    prune -> quantize -> export."""
-    if cfg.qdq_encoder:
-        return ctx.chain_model(cfg.model, ctx.chain_upstream()), Path(cfg.qdq_encoder), {}, ""
-    if cfg.quantized == "none":
-        return ctx.chain_model(cfg.model, ctx.chain_upstream()), None, {}, ""
-    if cfg.quantized == "auto":
-        folder = ctx.stage_folder("quantize")
-    else:  # a quantize artifact's name under the artifacts root (like export.model), or a folder
-        by_name = ctx.artifacts_dir / cfg.quantized
-        folder = by_name if (by_name / "manifest.json").is_file() else Path(cfg.quantized)
-    if not (folder / "manifest.json").is_file():
-        if cfg.quantized != "auto":
-            raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
-        model = ctx.chain_model(cfg.model, ctx.chain_upstream())
-        return model, None, {}, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    quantized_model = manifest["config"]["model_ref"]
-    model = quantized_model if cfg.model == "auto" else cfg.model
-    if ctx.model_hash(model) != manifest["inputs"]["model"]:
-        if cfg.quantized == "auto":
-            return model, None, {}, f"quantize's artifact was made from another model ({quantized_model}): float package"
-        raise PipelineError(f"export.quantized={cfg.quantized} was made from model {quantized_model!r}, "
-                            f"not export.model={model!r}")
-    decoders = {g: folder / f for g, f in INT8_DECODERS_BY_TARGET.get(target, {}).items() if (folder / f).is_file()}
-    took = "INT8 encoder" + (" and decoders" if decoders else "")
-    return model, folder / QDQ_ENCODERS[target], decoders, f"took {model}'s {took} from {folder}"
-
-
-def _finetuned(qdq_encoder: Optional[Path]) -> bool:
-    """Whether the quantize artifact holding ``qdq_encoder`` finetuned its encoder quantization-aware
-    (its manifest's metrics say how many steps ran); a QDQ encoder from elsewhere: not known, no."""
-    manifest = qdq_encoder.parent / "manifest.json" if qdq_encoder is not None else None
-    if manifest is None or not manifest.is_file():
-        return False
-    qat = json.loads(manifest.read_text()).get("metrics", {}).get("qat") or {}
-    return int(qat.get("steps", 0) or 0) > 0
 
 
 # FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL (pipeline.names): the packages the benchmark compares the
@@ -274,149 +199,25 @@ def validate(cfg: ExportConfig) -> None:
 
 def _run_one(cfg: ExportConfig, ctx: StageContext, tcfg, references: Optional[dict] = None,
              drafts: Optional[dict] = None) -> dict:
-    target = resolve_target(tcfg)
-    # a TensorRT package's Triton batches are bounded by its engines' profiles
-    trt_max_batch = cfg.trt_max_batch if target.name == "tensorrt" else None
-    triton_kind = target.triton_instance_kind if cfg.triton.enabled else None
-    if triton_kind:
-        cfg.triton.check(trt_max_batch)
-    mcfg = ctx.cfg.model
-    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
-    name = ctx.artifact_name(f"export-{target.name}", cfg.name, stage="export")
-    model_ref, qdq_path, int8_decoders, handed = _chain(cfg, ctx, target.name)
-    if handed:
-        log.info(f"[export] {handed}")
-    adapter = ctx.load_model(model_ref)
-    calib, evals, inputs = _formulas(cfg, ctx)
-    inputs["model"] = ctx.model_hash(model_ref)
-    if qdq_path is not None:
-        if not qdq_path.is_file():
-            raise PipelineError(f"export.qdq_encoder: no such file {qdq_path}")
-        inputs["qdq_encoder"] = file_hash(qdq_path)
-    for g, path in int8_decoders.items():
-        inputs[f"int8_{g}"] = file_hash(path)
-    if cfg.drafter == "student":  # the student's weights make the drafter; a missing one: before the work
-        inputs["draft_model"] = ctx.model_hash(cfg.draft_model)
-        spec.check_student(ctx.model_folder(cfg.draft_model), cfg.draft_model)
-    # one package: which others the run also makes (targets, baselines) is not part of its config
-    # (the Triton settings only where the package gets a repository: a Metax package's stays unchanged)
-    left_out = ("targets", "baselines", "baseline_parity_limit", *(() if triton_kind else ("triton",)))
-    config = {**{k: v for k, v in asdict(cfg).items() if k not in left_out},
-              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length, **ctx.decoding_key(),
-              "batch_size": batch_size, "model_ref": model_ref}
-    with ctx.output(name, config, inputs) as out:
+    """One package for target config ``tcfg``: the model (and INT8 graphs) the chain hands over, built for
+    the target and written, then read against torch on ONNX Runtime CPU (tensors, greedy tokens, with a
+    drafter its speculative readings); a package that fails keeps its report in ``failed/<name>/``.
+    ``references`` / ``drafts``: torch's and the drafter's readings, shared between one run's packages."""
+    job = steps.plan_package(cfg, ctx, tcfg)
+    with ctx.output(job.name, job.config, job.inputs) as out:
         if out.reused:
             log.info(f"[export] unchanged, reused {out.path}")
-            _print_summary(out.metrics, name, model_ref)
+            steps.log_summary(out.metrics, job.name, job.model_ref)
             return out.manifest
-        bar = tqdm(total=4, desc=f"export {target.name}", disable=not ctx.progress)
-        built = build_graphs(adapter, target, cfg.simplify, qdq_path, lambda _: bar.update(), inputs["model"],
-                             int8_decoders)
-        bar.close()
-        if built.violations:
-            shown = "; ".join(str(v) for v in built.violations[:5])
-            more = f" (+{len(built.violations) - 5} more)" if len(built.violations) > 5 else ""
-            raise PipelineError(f"the {target.name} package breaks its runtime's rules: {shown}{more}")
-        meta = write_package(out.path, adapter, built, target, max_length, bool(mcfg.flush_denormals))
-        if triton_kind:  # the repository is held to its contract like the graphs to their rules
-            meta["triton"] = triton.write_repository(out.path, cfg.triton, triton_kind, target.name)
-            problems = check_triton_repository(out.path, meta, triton_kind, trt_max_batch)
-            if problems:
-                raise PipelineError(f"the {target.name} package's Triton repository breaks its contract: "
-                                    + "; ".join(problems[:5]))
-
-        # parity on ONNX Runtime CPU, the reference runtime for every target
-        package = OnnxPackage(out.path, threads=int(mcfg.threads or 0), provider="CPUExecutionProvider")
-        calib_items = render_inputs(calib, adapter.preprocess, cfg.parity_images, ctx.progress, "export calib")
-        eval_items = render_inputs(evals, adapter.preprocess, cfg.parity_limit, ctx.progress, "export eval")
-        if not calib_items or not eval_items:
-            raise PipelineError("no parity formula could be rendered")
-        truth_ids = [adapter.encode_text(latex)[:max_length] for _, latex, _ in calib_items]
-        tensors = tensor_parity(adapter, package, torch.stack([x[2] for x in calib_items]), truth_ids)
-        level = "int8" if any("int8" in p for p in meta["precision"].values()) else \
-            ("fp16" if any("fp16" in p for p in meta["precision"].values()) else "fp32")
-        tol = {k: (getattr(cfg, k) if getattr(cfg, k) is not None else v) for k, v in TOLERANCES[level].items()}
-        failures = check_tolerances(tensors, None, **tol)
-        if failures:  # fail before the costly greedy decoding; the numbers stay readable
-            (out.path / "parity.json").write_text(json.dumps(
-                {"target": target.name, "precision": meta["precision"], "tolerances": tol, "tolerance_level": level,
-                 "tensors": tensors, "failures": failures}, indent=2) + "\n")
-            raise _parity_failed(ctx, out.path, name, target.name, failures)
-        key = (inputs["model"], tuple(x[0] for x in eval_items), max_length, batch_size)
-        references = {} if references is None else references
-        tokens = token_parity(adapter, package, torch.stack([x[2] for x in eval_items]),
-                              [x[1] for x in eval_items], [x[0] for x in eval_items], max_length, batch_size,
-                              progress=ctx.progress, reference=reused_reference(references, key))
-        references[key] = tokens.reference
-        finetuned = _finetuned(qdq_path)
-        failures = check_tolerances(tensors, tokens, **tol, finetuned=finetuned)
-        speculative = None
-        if cfg.drafter != "none" and "decoder_verify" not in meta["graphs"]:
-            log.warning(f"[export] {name}: no speculative decoding: stage quantize's INT8 decoders predate the "
-                        f"verify graph (run stage=quantize again for it)")
-        elif cfg.drafter != "none" and not failures:
-            source = spec.make(cfg, ctx, adapter, package, out.path, name, inputs["model"],
-                               {} if drafts is None else drafts, target, calib_items[0][2].numpy(),
-                               inputs.get("draft_model"))
-            speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
-                           **spec.check(out.path, torch.stack([x[2] for x in eval_items]).numpy(), tokens.package_ids,
-                                        max_length, int(mcfg.threads or 0))}
-            failures += spec.verdict(speculative, cfg.min_speculative_identical, cfg.speculative_tie_margin)
-        # engines only for a package that passed parity (a build takes minutes and ships what failed)
-        engines = None
-        if target.name == "tensorrt":
-            engines = ({"built": False, "reason": "parity failed"} if failures
-                       else trt_build.engines(out.path, meta, built.models, cfg.trt_max_batch, cfg.trt_opt_length,
-                                              cfg.trt_build))
-        eval_source = f"file {cfg.formulas}" if cfg.formulas else "corpus split 'eval'"
-        metrics = {"target": target.name, "precision": meta["precision"], "tolerances": tol,
-                   "tolerance_level": level, "tensors": tensors, "qat_finetuned": finetuned,
-                   "tokens": tokens.as_dict(), "eval_source": eval_source,
-                   "parity_limit": cfg.parity_limit, "eval_available": len(evals), "max_length": max_length,
-                   "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
-                   "tensorrt": engines, "speculative": speculative}
-        (out.path / "parity.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        with open(out.path / "parity_rows.jsonl", "w", encoding="utf-8") as f:
-            for row in tokens.rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        write_report(out.path, meta, built.histograms, metrics, tokens.rows, failures)
-        if failures:
-            raise _parity_failed(ctx, out.path, name, target.name, failures)
+        built, meta = steps.write_graphs(cfg, job, out.path, ctx.progress)
+        checked = steps.parity(cfg, ctx, job, out.path, meta, references)
+        speculative = steps.speculative_check(cfg, ctx, job, out.path, meta, checked, drafts)
+        engines = steps.engines(cfg, job, out.path, meta, built, checked.failures)
+        metrics = steps.parity_metrics(cfg, job, meta, built, checked, engines, speculative)
+        steps.write_parity(out.path, meta, built, metrics, checked)
+        if checked.failures:
+            raise steps.parity_failed(ctx, out.path, job.name, job.target.name, checked.failures)
         out.metrics.update(metrics)
-    shutil.rmtree(_failed_folder(ctx, name), ignore_errors=True)  # a stale report of an earlier failure
-    _print_summary(metrics, name, model_ref)
+    shutil.rmtree(steps.failed_folder(ctx, job.name), ignore_errors=True)  # a stale report of an earlier failure
+    steps.log_summary(metrics, job.name, job.model_ref)
     return out.manifest
-
-
-# what a failed export keeps, outside the (discarded) package folder: <artifacts>/failed/<name>/
-FAILED_DIR = "failed"
-FAILED_FILES = ("parity.json", "parity_rows.jsonl", "report.md", "op_histogram.png")
-
-
-def _failed_folder(ctx: StageContext, name: str) -> Path:
-    return ctx.artifacts_dir / FAILED_DIR / name
-
-
-def _parity_failed(ctx: StageContext, folder: Path, name: str, target: str, failures: list[str]) -> PipelineError:
-    """Copy the parity report of a package that failed to ``failed/<name>/`` (the package folder is
-    temporary and goes with the error); the error names where it is."""
-    kept = _failed_folder(ctx, name)
-    with atomic_write_dir(kept) as tmp:
-        for f in FAILED_FILES:
-            if (folder / f).is_file():
-                shutil.copy2(folder / f, tmp / f)
-    return PipelineError(f"parity beyond tolerance for {target}: {'; '.join(failures)} (report kept in {kept})")
-
-
-def _print_summary(m: dict, name: str, model_ref: str) -> None:
-    t = m["tokens"]
-    worst_cos = min(s["cosine"] for s in m["tensors"].values())
-    worst_snr = min(s["snr_db"] for s in m["tensors"].values())
-    log.info(f"[export] {name} (model {model_ref}): identical greedy tokens {t['identical']:.3f} of {t['n']} "
-             f"(token agreement {t['token_agreement']:.4f}), exact match torch {t['exact_match_torch']:.3f} / "
-             f"onnx {t['exact_match_onnx']:.3f}; worst cosine {worst_cos:.6f}, worst SNR {worst_snr:.1f} dB")
-    s = m.get("speculative")
-    if s:
-        log.info(f"[export] {name}: speculative decoding ({s['drafter']} drafter, {s['draft_len']} drafts a call) "
-                 f"identical to greedy on {s['identical']:.3f} of {s['n']} formulas; {s['calls_per_reading']} decoder "
-                 f"calls a reading for {s['tokens_per_reading']} tokens ({s['tokens_per_call']} a call)")

@@ -15,7 +15,7 @@ SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0-3, as in the model's ch
 
 
 def token_strings(tokenizer: Tokenizer) -> list[str]:
-    """The BPE's entries by id (added tokens included); ids must run 0 .. V-1 without gaps."""
+    """The BPE's entries by id (added tokens included); ids must cover 0 .. V-1 without gaps."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     by_id = {i: s for s, i in vocab.items()}
     if sorted(by_id) != list(range(len(by_id))):
