@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.errors import PipelineError  # noqa: E402
 from pipeline.export.runtime import OnnxPackage, session_options  # noqa: E402
+from pipeline.names import DECODER_STEP, DECODER_VERIFY  # noqa: E402
 
 
 def start(package: OnnxPackage, past_len: int) -> tuple[list, list]:
@@ -81,8 +82,8 @@ def profile(path: Path, feed: dict, calls: int, threads: int) -> dict:
 
 def plain_loop(package: OnnxPackage, past: list, cross: list, steps: int) -> tuple[float, np.ndarray]:
     """Milliseconds a step of ``steps`` steps through ``session.run``; the last step's logits."""
-    session = package.sessions["decoder_step"]
-    names = package.io["decoder_step"]["inputs"]
+    session = package.sessions[DECODER_STEP]
+    names = package.io[DECODER_STEP]["inputs"]
     token = np.asarray([[package.eos]], np.int64)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -95,9 +96,9 @@ def bound_loop(package: OnnxPackage, past: list, cross: list, steps: int) -> tup
     """The same steps through IOBinding (set up inside the timing); the last step's logits."""
     import onnxruntime as ort
 
-    session = package.sessions["decoder_step"]
-    names = package.io["decoder_step"]["inputs"]
-    outputs = package.io["decoder_step"]["outputs"]
+    session = package.sessions[DECODER_STEP]
+    names = package.io[DECODER_STEP]["inputs"]
+    outputs = package.io[DECODER_STEP]["outputs"]
     n = len(past)
     t0 = time.perf_counter()
     binding = session.io_binding()
@@ -122,11 +123,11 @@ def verify_profiles(package: OnnxPackage, past: list, cross: list, widths: list[
                     threads: int) -> dict:
     """ONNX Runtime's profile of ``decoder_verify`` at each width: kernel microseconds a call by op type;
     printed as a table (op types as rows, widths as columns) with each op's microseconds per extra token."""
-    path = package.folder / package.meta["graphs"]["decoder_verify"]
+    path = package.folder / package.meta["graphs"][DECODER_VERIFY]
     out = {}
     for width in widths:
         ids = np.full((1, width), package.eos, dtype=np.int64)
-        feed = dict(zip(package.io["decoder_verify"]["inputs"], [ids, *past, *cross]))
+        feed = dict(zip(package.io[DECODER_VERIFY]["inputs"], [ids, *past, *cross]))
         out[width] = profile(path, feed, calls, threads)
     widest = out[widths[-1]]["by_op"]
     ops = sorted({op for prof in out.values() for op in prof["by_op"]}, key=lambda op: -widest.get(op, 0))
@@ -169,9 +170,9 @@ def main(argv=None) -> int:
             same[k] = bool(np.array_equal(plain, bound))  # both loops compute the same steps
     results = {}
     for k, p in packages.items():
-        path = p.folder / p.meta["graphs"]["decoder_step"]
+        path = p.folder / p.meta["graphs"][DECODER_STEP]
         past, cross = starts[k]
-        feed = dict(zip(p.io["decoder_step"]["inputs"], [np.asarray([[p.eos]], np.int64), *past, *cross]))
+        feed = dict(zip(p.io[DECODER_STEP]["inputs"], [np.asarray([[p.eos]], np.int64), *past, *cross]))
         prof = profile(path, feed, args.calls, args.threads)
         in_file, optimized = node_counts(path, args.threads)
         run, bound = (float(np.median(walls[k][w])) for w in ("run", "iobinding"))

@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
     args = ap.parse_args()
     ctx = StageContext.compose(args.artifacts.resolve())
-    cap = int(ctx.cfg.model.max_length)
+    cap = ctx.limits.max_length
     folders = [p if p.is_dir() else args.artifacts / p for p in (Path(args.a), *map(Path, args.b))]
     packages = [OnnxPackage(f, threads=args.threads) for f in folders]
     rows = []

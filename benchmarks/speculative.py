@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     from pipeline.data.render import render_inputs
 
     package = OnnxPackage(args.package, threads=1, speculative=False)
-    max_length = int(args.max_length or package.meta["max_length"])
+    max_length = int(args.max_length or package.max_length)
     if max(args.draft_lens) > package.verify_width - 1:
         ap.error(f"--draft-lens: at most {package.verify_width - 1} (the verify graph's width - 1)")
     rows = [json.loads(line) for path in args.formulas

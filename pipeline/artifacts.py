@@ -24,8 +24,8 @@ from typing import Any, Iterator
 
 from pipeline import interrupts
 from pipeline.errors import InputError, OutputError, PipelineError
+from pipeline.names import MANIFEST
 
-MANIFEST = "manifest.json"
 TRACKED_LIBRARIES = (
     "torch", "onnx", "onnxruntime", "onnxsim", "nvidia-modelopt", "datasets", "hydra-core",
     "tokenizers", "transformers", "safetensors", "matplotlib", "numpy", "latex-ocr-junia",

@@ -15,6 +15,7 @@ from pipeline.adapters.base import ModelAdapter, adapter_class, load_adapter
 from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_file, sha256_json, stage_output
 from pipeline.data.corpus import SHIFT, Formula, build_corpus, build_shift_split, read_jsonl, write_jsonl
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.names import FORMULAS_FILE, MANIFEST
 
 ORIGINAL = ("original", "package")
 MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
@@ -22,6 +23,15 @@ SHIFT_FOLDER = "corpus-shift"  # the shift split's artifact folder
 # config keys of the stages a sweep job gets its own folders for (the model chain); the others
 # (evaluate, tokenizer, calibrate, the corpus) are shared by every job
 JOB_SCOPED = ("prune", "distill", "quantize", "export", "benchmark")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What every reading of the model is bounded by (``model.*``): read once here, used by every stage."""
+    max_length: int          # the decode cap: tokens incl. BOS
+    batch_size: int          # images a reading batch holds
+    threads: int             # intra-op threads; 0: the runtime's default
+    flush_denormals: bool    # ONNX Runtime sessions (and torch) flush denormals to zero
 
 
 @dataclass
@@ -144,10 +154,10 @@ class StageContext:
         (a job of ``-m stage=export prune.num_heads=4,8`` finds ``prune-prune.num_heads=4``), else the
         shared one, unless the job overrides keys it was made with (:meth:`_no_fallback`)."""
         own = self.artifacts_dir / self.artifact_name(name, stage=stage or name)
-        if (own / "manifest.json").is_file() or own.name == name:
+        if (own / MANIFEST).is_file() or own.name == name:
             return own
         shared = self.artifacts_dir / name
-        if (shared / "manifest.json").is_file():
+        if (shared / MANIFEST).is_file():
             self._no_fallback(stage or name, own, shared)
         return shared
 
@@ -223,9 +233,16 @@ class StageContext:
     def load_model(self, ref: str = "original") -> ModelAdapter:
         adapter = load_adapter(self.cfg.model.adapter, self.model_source(ref),
                                trust_checkpoint=bool(self.cfg.model.trust_checkpoint))
-        check_max_length(int(self.cfg.model.max_length), adapter.max_positions, f"model {ref!r}")
+        check_max_length(self.limits.max_length, adapter.max_positions, f"model {ref!r}")
         adapter.layout_run_cap = int(self.cfg.model.layout_run_cap)
         return adapter
+
+    @property
+    def limits(self) -> ModelLimits:
+        """The model config's limits (``model.max_length``, ``batch_size``, ``threads``, ``flush_denormals``)."""
+        mcfg = self.cfg.model
+        return ModelLimits(int(mcfg.max_length), int(mcfg.batch_size), int(mcfg.threads or 0),
+                           bool(mcfg.flush_denormals))
 
     @property
     def device(self):
@@ -239,7 +256,7 @@ class StageContext:
         layout-run cap when on ({} when off, so artifacts from before the cap keep their keys), and whether
         denormals are flushed (the same readings, other timings; a package records it)."""
         cap = int(self.cfg.model.layout_run_cap)
-        return {**({"layout_run_cap": cap} if cap else {}), "flush_denormals": bool(self.cfg.model.flush_denormals)}
+        return {**({"layout_run_cap": cap} if cap else {}), "flush_denormals": self.limits.flush_denormals}
 
     def model_tokenizer(self, ref: str = "original") -> tuple[Any, list[str]]:
         """The model's tokenizer and its output vocabulary (token strings in id order), from its
@@ -281,10 +298,10 @@ class StageContext:
                                         config["max_height_px"], progress=self.progress)
                 if not formulas:
                     raise PipelineError("the formula corpus is empty: no renderable formulas found")
-                write_jsonl(out.path / "formulas.jsonl", formulas)
+                write_jsonl(out.path / FORMULAS_FILE, formulas)
                 out.metrics.update({s: sum(f.split == s for f in formulas) for s in ("train", "calib", "eval")})
                 out.metrics["total"] = len(formulas)
-        return read_jsonl(out.path / "formulas.jsonl")
+        return read_jsonl(out.path / FORMULAS_FILE)
 
     def shift_split(self) -> list[Formula]:
         """Formulas from ``data.shift_packages`` (none of which the corpus read) that are not in the
@@ -300,16 +317,16 @@ class StageContext:
         corpus = self.corpus()
         config = {"packages": packages, "directives": [".. math::", ".. math ::"], **{k: int(data[k]) for k in
                                            ("min_chars", "max_chars", "max_width_px", "max_height_px")}}
-        inputs = {**_package_versions(packages), "corpus": self.upstream("corpus")["outputs"]["formulas.jsonl"]}
+        inputs = {**_package_versions(packages), "corpus": self.split_hash("train")}
         with stage_output(self.artifacts_dir, SHIFT_FOLDER, config, inputs, force=False) as out:
             if not out.reused:
                 formulas = build_shift_split(packages, {f.normalized for f in corpus}, config["min_chars"],
                                              config["max_chars"], config["max_width_px"], config["max_height_px"],
                                              progress=self.progress)
-                write_jsonl(out.path / "formulas.jsonl", formulas)
+                write_jsonl(out.path / FORMULAS_FILE, formulas)
                 out.metrics["total"] = len(formulas)
                 out.metrics["by_package"] = {p: sum(f.source.split("/")[0] == p for f in formulas) for p in packages}
-        return read_jsonl(out.path / "formulas.jsonl")
+        return read_jsonl(out.path / FORMULAS_FILE)
 
     def split(self, name: str) -> list[Formula]:
         """A corpus split (train, calib, eval) or the shift split (``shift``)."""
@@ -321,7 +338,7 @@ class StageContext:
     def split_hash(self, name: str) -> str:
         """sha256 of the file a split is read from (an input hash for stages that read it)."""
         folder = SHIFT_FOLDER if name == SHIFT else "corpus"
-        return self.upstream(folder)["outputs"]["formulas.jsonl"]
+        return self.upstream(folder)["outputs"][FORMULAS_FILE]
 
     def upstream(self, stage: str) -> dict[str, Any]:
         """Manifest of another stage's artifact (stages talk through artifacts, never imports)."""

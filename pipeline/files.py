@@ -15,6 +15,7 @@ from typing import BinaryIO, Optional
 from PIL import Image, UnidentifiedImageError
 
 from pipeline.errors import ConfigError, ImageError, InputError, OutputError
+from pipeline.names import PACKAGE_META
 
 # what PIL reads and the model was tried on; one list for evaluate, infer and calibrate
 IMAGE_SUFFIXES = (".bmp", ".gif", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
@@ -197,8 +198,6 @@ def check_output_file(path: str | Path, key: str) -> Path:
 def package_path(ref: str, artifacts_dir: Path) -> Optional[Path]:
     """An exported package: ``ref`` as a folder holding ``package.json``, or an export stage's name
     under the root; None when neither is one."""
-    from pipeline.export.runtime import PACKAGE_META
-
     for cand in (Path(ref), Path(artifacts_dir) / ref):
         if (cand / PACKAGE_META).is_file():
             return cand
@@ -207,8 +206,6 @@ def package_path(ref: str, artifacts_dir: Path) -> Optional[Path]:
 
 def find_package(ref: Optional[str], artifacts_dir: Path, key: str) -> Path:
     """:func:`package_path`, or one error line naming ``key``."""
-    from pipeline.export.runtime import PACKAGE_META
-
     if not ref:
         raise ConfigError(f"{key} is not set: give {key}=<exported package folder or export stage name>")
     found = package_path(ref, artifacts_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipeline.errors import SchemaError
+from pipeline.names import DECODER_STEP, REQUIRED_GRAPHS
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def load_json(path: Path, fields: dict[str, Spec], what: str = "") -> dict:
 
 
 # ---- the files ----------------------------------------------------------------------------------
-GRAPHS = ("encoder", "decoder_first", "decoder_step")
+GRAPHS = REQUIRED_GRAPHS  # every package holds these (pipeline.names)
 
 PACKAGE = {
     "format": Spec("str"),
@@ -115,7 +116,7 @@ PACKAGE = {
     "provider": Spec("str"),
     "provider_options": Spec("dict", optional=True),
     "graphs": Spec("dict", fields={g: Spec("file") for g in GRAPHS}),
-    "io": Spec("dict", fields={"decoder_step": Spec("dict", fields={"inputs": Spec("list", items=Spec("str"))})}),
+    "io": Spec("dict", fields={DECODER_STEP: Spec("dict", fields={"inputs": Spec("list", items=Spec("str"))})}),
     "bos_id": INT(0), "eos_id": INT(0), "pad_id": INT(0, optional=True),
     "banned_token_ids": Spec("list", items=INT(0)),
     "max_length": INT(2),

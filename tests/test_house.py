@@ -61,3 +61,51 @@ def test_code_and_config_carry_no_run_numbers_or_dates():
 def test_the_journal_scan_finds_marks_and_lets_record_links_be():
     assert journal_marks("# chosen in run 16 (2026-12-05)") == ["run 16", "2026-12-05"]
     assert journal_marks("# docs/results/2026-12-03-prune-pooled-keys.md: the recovery") == []
+
+
+# ---- contracts once: the names stages and packages meet by are declared in one place -------------------
+NAMES = REPO / "pipeline" / "names.py"
+CODE = [*(REPO / "pipeline").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py")]
+DECLARED_ONCE = ("manifest.json", "formulas.jsonl", "package.json", "decoder_first", "decoder_step", "decoder_verify")
+# where "encoder" is the model's part (finetune scope, parameter and config keys), not the package's graph
+ENCODER_MEANS_THE_MODEL_PART = {"pipeline/stages/prune.py", "pipeline/pruning/recover.py", "pipeline/quantization/groups.py",
+                                "pipeline/quantization/qat.py", "pipeline/adapters/hf_vision_encoder_decoder.py",
+                                "pipeline/adapters/latex_ocr_junia.py", "pipeline/adapters/junia_to_hf.py"}
+
+
+def quoted(text: str, literal: str) -> int:
+    return text.count(f'"{literal}"') + text.count(f"'{literal}'")
+
+
+def test_artifact_and_graph_names_are_spelled_once_in_pipeline_names():
+    texts = {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in CODE}
+    for literal in DECLARED_ONCE:
+        where = {f: n for f, text in texts.items() if (n := quoted(text, literal))}
+        assert where == {"pipeline/names.py": 1}, (literal, where)
+    where = {f for f, text in texts.items() if quoted(text, "encoder") and f not in ENCODER_MEANS_THE_MODEL_PART}
+    assert where == {"pipeline/names.py"}, where
+
+
+def _attribute_reads(path: Path, attr: str, owners: tuple[str, ...]) -> int:
+    """Reads of ``<owner>.attr`` where the owner is a name or attribute in ``owners`` (``cfg.model.max_length``)."""
+    count = 0
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr == attr:
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+            count += name in owners
+    return count
+
+
+def test_the_model_limits_are_read_from_the_config_once():
+    for attr in ("max_length", "batch_size", "threads"):
+        where = {str(p.relative_to(REPO)): n for p in CODE if (n := _attribute_reads(p, attr, ("model", "mcfg")))}
+        # the CLI sets torch's threads before any stage, from the config itself
+        where.pop("pipeline/__main__.py", None)
+        assert where == {"pipeline/context.py": 1}, (attr, where)
+
+
+def test_a_packages_decode_cap_is_read_from_its_metadata_once():
+    texts = {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in CODE}
+    where = {f: n for f, text in texts.items() if (n := len(re.findall(r"""\.meta\[["']max_length["']\]""", text)))}
+    assert where == {"pipeline/export/runtime.py": 1}, where

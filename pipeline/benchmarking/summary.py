@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 from matplotlib.ticker import NullFormatter
 
-from pipeline.artifacts import MANIFEST
+from pipeline.names import MANIFEST
 from pipeline.reports import markdown_table, plt, savefig
 
 SUMMARY_MD = "summary.md"

@@ -14,6 +14,7 @@ from pipeline.adapters.base import DecodeResult, ModelAdapter
 from pipeline.errors import PipelineError
 from pipeline.files import package_path
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+from pipeline.names import MANIFEST
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ def layout_run_cap(v: Variant, adapter: ModelAdapter) -> int:
 
 def package_model(folder: Path) -> Optional[str]:
     """The model a package was exported from (its manifest's ``model_ref``), if it says."""
-    manifest = folder / "manifest.json"
+    manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
     try:

@@ -29,7 +29,7 @@ class PackageReader:
 
     def __init__(self, package: str, threads: int, speculative: bool, max_length: Optional[int]):
         self.package = OnnxPackage(package, threads=threads, speculative=speculative)
-        self.max_length = int(max_length or self.package.meta["max_length"])
+        self.max_length = int(max_length or self.package.max_length)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         paths = [str(p) for p in batch["path"]]

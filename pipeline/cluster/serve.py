@@ -48,7 +48,7 @@ class FormulaReader:
                  max_batch: int = 8, max_wait_ms: float = 10.0, max_bytes: int = 4_000_000,
                  read_timeout_s: float = 10.0):
         self.package = OnnxPackage(package, threads=threads, speculative=speculative)
-        self.max_length = int(max_length or self.package.meta["max_length"])
+        self.max_length = int(max_length or self.package.max_length)
         self.limits = Limits(max_bytes, read_timeout_s)
         self.metrics = ServeMetrics(max_batch)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="reader")  # ORT releases the GIL; the loop stays free

@@ -30,6 +30,7 @@ from pipeline.export.onnx_graphs import export_graphs
 from pipeline.export.targets import Target
 from pipeline.export.transforms import has_qdq, op_histogram
 from pipeline.export.validator import Violation, validate
+from pipeline.names import DECODER_STEP, DECODER_VERIFY, ENCODER
 
 
 @dataclass
@@ -98,13 +99,13 @@ def _take_quantized(graphs: dict[str, onnx.ModelProto], hist: dict, precision: d
     """Put stage quantize's graphs in place of the traced ones (in ``graphs``, ``hist`` and
     ``precision``); returns the names of the graphs that are final."""
     if qdq_encoder is not None:
-        graphs["encoder"] = load_qdq_encoder(qdq_encoder, graphs["encoder"])
-        hist["encoder"] = {"qdq input": op_histogram(graphs["encoder"])}
-        precision["encoder"] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
+        graphs[ENCODER] = load_qdq_encoder(qdq_encoder, graphs[ENCODER])
+        hist[ENCODER] = {"qdq input": op_histogram(graphs[ENCODER])}
+        precision[ENCODER] = "int8 qdq" + (" + fp16" if target.fp16_weights else "")
     int8_decoders = int8_decoders or {}
-    if "decoder_step" in int8_decoders and "decoder_verify" not in int8_decoders:
+    if DECODER_STEP in int8_decoders and DECODER_VERIFY not in int8_decoders:
         # a quantize artifact from before the verify graph: a float verify would not read as the INT8 step
-        del graphs["decoder_verify"], hist["decoder_verify"], precision["decoder_verify"]
+        del graphs[DECODER_VERIFY], hist[DECODER_VERIFY], precision[DECODER_VERIFY]
     for g, path in int8_decoders.items():
         graphs[g] = load_final_graph(path, graphs[g], g)
         hist[g] = {"int8 input": op_histogram(graphs[g])}
@@ -115,10 +116,10 @@ def _take_quantized(graphs: dict[str, onnx.ModelProto], hist: dict, precision: d
 def _fuse(model: onnx.ModelProto, graph: str, heads_hidden: tuple[int, int], workdir: Path) -> onnx.ModelProto:
     """ORT's transformer fusions, then the attention they leave unfused."""
     model = transforms.fuse_transformer(model, *heads_hidden, workdir, graph)
-    if graph == "encoder":  # the unmasked ViT attention
+    if graph == ENCODER:  # the unmasked ViT attention
         fuse_attention(model)
-    elif graph in ("decoder_step", "decoder_verify"):  # the attention over the K/V caches
-        fuse_cached_attention(model, causal=graph == "decoder_verify")
+    elif graph in (DECODER_STEP, DECODER_VERIFY):  # the attention over the K/V caches
+        fuse_cached_attention(model, causal=graph == DECODER_VERIFY)
     return model
 
 

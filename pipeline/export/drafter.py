@@ -20,6 +20,7 @@ from pipeline.decoding import StudentReader
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
+from pipeline.names import DECODER_FIRST, DECODER_STEP
 
 log = logging.getLogger(__name__)
 
@@ -83,21 +84,21 @@ def student_graphs(student, target, simplify: bool, model_key: str, package: Onn
     if student.tokenizer_kind() != "bpe":
         raise PipelineError(f"export.drafter=student: the student model reads with a {student.tokenizer_kind()!r} "
                             f"vocabulary, not a formula BPE (run stage=distill, or name its model folder)")
-    built = build_graphs(student, target, simplify, None, progress, model_key, only=("decoder_first", "decoder_step"))
+    built = build_graphs(student, target, simplify, None, progress, model_key, only=(DECODER_FIRST, DECODER_STEP))
     if built.violations:
         shown = "; ".join(str(v) for v in built.violations[:3])
         raise PipelineError(f"export.drafter=student: the student's graphs break the {target.name} rules: {shown}")
-    for key, graph in (("first", "decoder_first"), ("step", "decoder_step")):
+    for key, graph in (("first", DECODER_FIRST), ("step", DECODER_STEP)):
         if int8:
             _dynamic_int8(built.models[graph], folder / STUDENT_GRAPHS[key])
         else:
             onnx.save(built.models[graph], str(folder / STUDENT_GRAPHS[key]))
-    num_layers = sum(1 for i in built.models["decoder_step"].graph.input if i.name.startswith("past_key_"))
+    num_layers = sum(1 for i in built.models[DECODER_STEP].graph.input if i.name.startswith("past_key_"))
     bpe_texts = [student.tokenizer.decode([i]) for i in range(student.vocab_size)]
-    entry = {**STUDENT_GRAPHS, "precision": "int8 dynamic" if int8 else built.precision["decoder_step"],
-             "step_inputs": [i.name for i in built.models["decoder_step"].graph.input],
+    entry = {**STUDENT_GRAPHS, "precision": "int8 dynamic" if int8 else built.precision[DECODER_STEP],
+             "step_inputs": [i.name for i in built.models[DECODER_STEP].graph.input],
              "num_layers": num_layers, "bos": student.bos_id, "eos": student.eos_id,
-             "banned": list(student.banned_token_ids()), "max_tokens": int(package.meta["max_length"]) - 1,
+             "banned": list(student.banned_token_ids()), "max_tokens": package.max_length - 1,
              "pieces": spell(bpe_texts, token_texts(package))}
     reader = StudentReader.from_entry(entry, package.drafter_graph)  # a graph it cannot load: its own line
     try:
@@ -132,7 +133,7 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
     (package ``name`` once published); returns where it came from. ``drafts``: the package readings of
     train formulas per (model, formulas, cap), kept for the next target of the same model;
     ``student_key``: the student model's hash when the caller has it."""
-    max_length = int(ctx.cfg.model.max_length)
+    max_length = ctx.limits.max_length
     if cfg.drafter == "bpe":
         tok = ctx.stage_folder("tokenizer") / "tokenizer.json"
         if not tok.is_file():
@@ -147,7 +148,7 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
             if not items:
                 raise PipelineError("export.drafter=ngram: no train formula could be rendered")
             images = np.stack([np.asarray(x[2]) for x in items])
-            workers = int(ctx.cfg.model.threads or 0) or os.cpu_count() or 1
+            workers = ctx.limits.threads or os.cpu_count() or 1
             log.info(f"[export] the drafter: {len(images)} train formulas read by the package, {workers} "
                      f"single-thread sessions side by side")
             # image by image: greedy's readings as the speculative loop meets them (batch 1), and on a CPU

@@ -11,6 +11,7 @@ import torch
 from pipeline.errors import PipelineError
 from pipeline.export.graphs import (VERIFY_WIDTH, DecoderFirstGraph, DecoderStepGraph, DecoderVerifyGraph, EncoderGraph,
                                     KeptEncoderGraph, io_names)
+from pipeline.names import DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER
 
 KEEP = "keep"  # the encoder's kept patch indices [B, K] where the model has a token policy
 
@@ -20,11 +21,11 @@ def graph_io(num_layers: int, kept_tokens: bool = False) -> dict[str, dict[str, 
     ``kept_tokens``: the encoder also takes the kept patch indices."""
     n = io_names(num_layers)
     return {
-        "encoder": {"inputs": ["images", KEEP] if kept_tokens else ["images"], "outputs": ["memory"]},
-        "decoder_first": {"inputs": ["input_ids", "memory"], "outputs": ["logits", *n["present"], *n["cross"]]},
-        "decoder_step": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
+        ENCODER: {"inputs": ["images", KEEP] if kept_tokens else ["images"], "outputs": ["memory"]},
+        DECODER_FIRST: {"inputs": ["input_ids", "memory"], "outputs": ["logits", *n["present"], *n["cross"]]},
+        DECODER_STEP: {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
         # speculative decoding's check of T drafted tokens: logits [B, T, V]
-        "decoder_verify": {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
+        DECODER_VERIFY: {"inputs": ["input_ids", *n["past"], *n["cross"]], "outputs": ["logits", *n["present"]]},
     }
 
 
@@ -58,20 +59,20 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
     with torch.no_grad():
         memory = adapter.encode(images)
     if policy is None:
-        graphs = {"encoder": _to_model(EncoderGraph(adapter), (images,), io["encoder"],
-                                       {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
+        graphs = {ENCODER: _to_model(EncoderGraph(adapter), (images,), io[ENCODER],
+                                     {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
     else:  # traced with a count that is no bucket, so no size is baked in
         k = policy.buckets[0] + 3
         keep = torch.stack([torch.arange(k) * (policy.num_patches // k), torch.arange(k)])
-        graphs = {"encoder": _to_model(KeptEncoderGraph(adapter), (images, keep), io["encoder"],
-                                       {"images": {0: "batch"}, KEEP: {0: "batch", 1: "tokens"},
-                                        "memory": {0: "batch", 1: "tokens"}}, opset)}
+        graphs = {ENCODER: _to_model(KeptEncoderGraph(adapter), (images, keep), io[ENCODER],
+                                     {"images": {0: "batch"}, KEEP: {0: "batch", 1: "tokens"},
+                                      "memory": {0: "batch", 1: "tokens"}}, opset)}
     first = DecoderFirstGraph(cached).eval()
     ids = torch.tensor([[adapter.bos_id, 5, 6], [adapter.bos_id, 7, 7]], dtype=torch.long)
     dyn = {"input_ids": {0: "batch", 1: "seq"}, "memory": {0: "batch", 1: "mem_len"}, "logits": {0: "batch"}}
     dyn.update({k: {0: "batch", 2: "seq"} for k in n["present"]})
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
-    graphs["decoder_first"] = _to_model(first, (ids, memory), io["decoder_first"], dyn, opset)
+    graphs[DECODER_FIRST] = _to_model(first, (ids, memory), io[DECODER_FIRST], dyn, opset)
     with torch.no_grad():
         kv = first(ids, memory)[1:]
     dyn = {"input_ids": {0: "batch"}, "logits": {0: "batch"}}
@@ -79,13 +80,13 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
     dyn.update({k: {0: "batch", 2: "total_len"} for k in n["present"]})
     dyn.update({k: {0: "batch", 2: "mem_len"} for k in n["cross"]})
     step_ids = torch.tensor([[9], [10]], dtype=torch.long)
-    graphs["decoder_step"] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io["decoder_step"], dyn, opset)
+    graphs[DECODER_STEP] = _to_model(DecoderStepGraph(cached).eval(), (step_ids, *kv), io[DECODER_STEP], dyn, opset)
     # batch 1, fixed; the width (tokens checked, at most VERIFY_WIDTH), the past's length and the memory's dynamic
     dyn = {k: {2: "past_len"} for k in n["past"]}
     dyn.update({"input_ids": {1: "width"}, "logits": {1: "width"}})
     dyn.update({k: {2: "total_len"} for k in n["present"]})
     dyn.update({k: {2: "mem_len"} for k in n["cross"]})
     verify_ids = (torch.arange(VERIFY_WIDTH, dtype=torch.long) % 7 + 4)[None]
-    graphs["decoder_verify"] = _to_model(DecoderVerifyGraph(cached).eval(), (verify_ids, *[t[:1] for t in kv]),
-                                         io["decoder_verify"], dyn, opset)
+    graphs[DECODER_VERIFY] = _to_model(DecoderVerifyGraph(cached).eval(), (verify_ids, *[t[:1] for t in kv]),
+                                       io[DECODER_VERIFY], dyn, opset)
     return graphs

@@ -15,6 +15,7 @@ from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export.onnx_graphs import graph_io
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER, package_format, session_config
 from pipeline.export.targets import Target
+from pipeline.names import DECODER_VERIFY
 
 
 def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max_length: int,
@@ -42,7 +43,7 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
         "banned_token_ids": adapter.banned_token_ids(), "max_length": int(max_length),
         "max_positions": adapter.max_positions or int(max_length),  # the decoder position table
         # tokens a decoder_verify call reads at most (batch 1; speculative decoding, pipeline/decoding.py)
-        **({"verify_width": VERIFY_WIDTH} if "decoder_verify" in built.models else {}),
+        **({"verify_width": VERIFY_WIDTH} if DECODER_VERIFY in built.models else {}),
         **shapes,
         "input_shape": list(adapter.input_shape), "model_family": adapter.family,
         # greedy decoding's cap on runs of layout-only LaTeX (pipeline/decoding.py; 0 = none)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
+from pipeline.names import DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER
 
 
 def compare(ref: np.ndarray, out: np.ndarray) -> dict[str, float]:
@@ -43,9 +44,9 @@ def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
 def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Sequence[int]]) -> dict[str, dict]:
     """Per output, worst case over ``images``; ``token_ids`` are the teacher-forced targets (BOS..EOS)."""
     mem_parts, first_parts, step_parts, verify_parts = [], [], [], []
-    has_verify = "decoder_verify" in package.meta["graphs"]
+    has_verify = DECODER_VERIFY in package.meta["graphs"]
     for img, ids in zip(images, token_ids):
-        ids = list(ids)[: max(2, int(package.meta["max_length"]))]
+        ids = list(ids)[: max(2, package.max_length)]
         memory_t = adapter.encode(img[None])
         memory_o = package.encode(img[None].numpy())
         mem_parts.append(compare(memory_t.numpy(), memory_o))
@@ -68,11 +69,11 @@ def tensor_parity(adapter, package, images: torch.Tensor, token_ids: Sequence[Se
                 chunks.append(lo[0])
                 past = [p[:, :, :past[0].shape[2] + lo.shape[1]] for p in present]  # a padded call's extra K/V off
             verify_parts.append(compare(logits_t[1:len(ids)], np.concatenate(chunks)))
-    result = {"encoder.memory": _merge(mem_parts), "decoder_first.logits": _merge(first_parts)}
+    result = {f"{ENCODER}.memory": _merge(mem_parts), f"{DECODER_FIRST}.logits": _merge(first_parts)}
     if step_parts:
-        result["decoder_step.logits"] = _merge(step_parts)
+        result[f"{DECODER_STEP}.logits"] = _merge(step_parts)
     if verify_parts:
-        result["decoder_verify.logits"] = _merge(verify_parts)
+        result[f"{DECODER_VERIFY}.logits"] = _merge(verify_parts)
     return result
 
 

@@ -18,14 +18,13 @@ from pipeline import denormals, drafting, interrupts, schema
 from pipeline.decoding import (DecodeResult, LayoutGuard, SpeculativeStats, StudentReader, VerifyCalls, cached_greedy,
                                speculative_greedy)
 from pipeline.errors import PipelineError
+from pipeline.names import (DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER, PACKAGE_META, PREPROCESS,
+                            REQUIRED_GRAPHS, TOKENIZER)
 from pipeline.preprocessing import preprocess
 from pipeline.schema import load_json
 
 log = logging.getLogger(__name__)
 
-PACKAGE_META = "package.json"
-PREPROCESS = "preprocess.json"
-TOKENIZER = "tokenizer.json"
 
 NO_SPINNING = "session.intra_op.allow_spinning"
 
@@ -196,7 +195,7 @@ class OnnxPackage:
         so = session_options(threads, config)
         self._session_args = (so, providers)
         self.sessions = {}
-        for graph in ("encoder", "decoder_first", "decoder_step"):
+        for graph in REQUIRED_GRAPHS:
             path = self.folder / self.meta["graphs"][graph]
             if not path.is_file():
                 raise PipelineError(f"package {self.folder} is incomplete: {path.name} missing")
@@ -214,8 +213,9 @@ class OnnxPackage:
         self.tokens_kept: collections.Counter = collections.Counter()  # tokens an image's encoder read -> images
         self._guard: LayoutGuard | None = None
         self.num_layers = int(self.meta["num_layers"])
+        self.max_length = int(self.meta["max_length"])  # the export's decode cap (tokens incl. BOS)
         # the decoder's position table; packages from before it was recorded: their export cap
-        self.max_positions = int(self.meta.get("max_positions", self.meta["max_length"]))
+        self.max_positions = int(self.meta.get("max_positions", self.max_length))
         self.drafter, self.draft_len = None, 0
         self._calls: VerifyCalls | None = None
         self.spec_stats = SpeculativeStats()
@@ -224,7 +224,7 @@ class OnnxPackage:
 
     def _load_drafter(self):
         """The package's drafter (``package.json: drafter``, a file in the package), and the verify graph."""
-        if "decoder_verify" not in self.meta["graphs"]:
+        if DECODER_VERIFY not in self.meta["graphs"]:
             raise PipelineError(f"package {self.folder}: package.json names a drafter but no decoder_verify graph")
         path = self.folder / str(self.meta["drafter"])
         if not path.is_file():
@@ -266,15 +266,15 @@ class OnnxPackage:
         return int(self.meta["verify_width"]), False
 
     def _verify_session(self):
-        if "decoder_verify" not in self.sessions:
-            if "decoder_verify" not in self.meta["graphs"]:
+        if DECODER_VERIFY not in self.sessions:
+            if DECODER_VERIFY not in self.meta["graphs"]:
                 raise PipelineError(f"package {self.folder} has no decoder_verify graph (exported before it existed)")
-            self.use_graph("decoder_verify", self.folder / self.meta["graphs"]["decoder_verify"])
-        return self.sessions["decoder_verify"]
+            self.use_graph(DECODER_VERIFY, self.folder / self.meta["graphs"][DECODER_VERIFY])
+        return self.sessions[DECODER_VERIFY]
 
     def _vocab(self) -> int:
         """The decoder's vocabulary size, from the step graph's logits."""
-        size = self.sessions["decoder_step"].get_outputs()[0].shape[-1]
+        size = self.sessions[DECODER_STEP].get_outputs()[0].shape[-1]
         if not isinstance(size, int):
             raise PipelineError(f"package {self.folder}: decoder_step's logits have no fixed vocabulary size ({size!r})")
         return size
@@ -317,21 +317,21 @@ class OnnxPackage:
         [B, K]: computed here from the images when not given; refused in one line when it does not fit)."""
         images = images.astype(np.float32, copy=False)
         if self.token_policy is None:
-            return self.sessions["encoder"].run(["memory"], {"images": images})[0]
+            return self.sessions[ENCODER].run(["memory"], {"images": images})[0]
         keep = self.token_policy.keep_batch(images) if keep is None else np.asarray(keep, dtype=np.int64)
         self.token_policy.check(keep, images.shape[0])
         self.tokens_kept[int(keep.shape[1])] += images.shape[0]
-        return self.sessions["encoder"].run(["memory"], {"images": images, "keep": keep})[0]
+        return self.sessions[ENCODER].run(["memory"], {"images": images, "keep": keep})[0]
 
     def first(self, input_ids: np.ndarray, memory: np.ndarray) -> tuple[np.ndarray, list, list]:
-        outs = self.sessions["decoder_first"].run(None, {"input_ids": input_ids.astype(np.int64), "memory": memory})
+        outs = self.sessions[DECODER_FIRST].run(None, {"input_ids": input_ids.astype(np.int64), "memory": memory})
         n = 2 * self.num_layers
         return outs[0], outs[1:1 + n], outs[1 + n:]
 
     def step(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
-        names = self.io["decoder_step"]["inputs"]
+        names = self.io[DECODER_STEP]["inputs"]
         feed = dict(zip(names, [input_ids.astype(np.int64), *past, *cross]))
-        outs = self.sessions["decoder_step"].run(None, feed)
+        outs = self.sessions[DECODER_STEP].run(None, feed)
         return outs[0], outs[1:]
 
     def verify(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
@@ -352,7 +352,7 @@ class OnnxPackage:
         return self._calls
 
     def _verify_run(self, input_ids: np.ndarray, past: list, cross: list) -> tuple[np.ndarray, list]:
-        names = self.io["decoder_verify"]["inputs"]
+        names = self.io[DECODER_VERIFY]["inputs"]
         feed = dict(zip(names, [input_ids.astype(np.int64), *(np.ascontiguousarray(p) for p in past), *cross]))
         outs = self._verify_session().run(None, feed)
         return outs[0], outs[1:]
@@ -451,4 +451,4 @@ class OnnxPackage:
     def read_images(self, images: Sequence[Image.Image], max_length: int | None = None, batch_size: int = 16
                     ) -> DecodeResult:
         arr = np.stack([self.preprocess(im) for im in images])
-        return self.generate(arr, int(max_length or self.meta["max_length"]), batch_size)
+        return self.generate(arr, int(max_length or self.max_length), batch_size)

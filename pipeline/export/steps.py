@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from pipeline.artifacts import atomic_write_dir
-from pipeline.context import file_hash
+from pipeline.context import ModelLimits, file_hash
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export import drafter as spec
@@ -31,7 +31,7 @@ from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import Target, resolve_target
 from pipeline.export.validator import check_triton_repository
 from pipeline.files import read_formulas
-from pipeline.names import INT8_DECODERS_BY_TARGET, QDQ_ENCODERS
+from pipeline.names import DECODER_VERIFY, INT8_DECODERS_BY_TARGET, MANIFEST, QDQ_ENCODERS
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def formulas(cfg, ctx) -> tuple[list, list, dict[str, str]]:
         return pairs, pairs, {"formulas": file_hash(path)}
     calib = [(f.id, f.latex) for f in ctx.split("calib")]
     evals = [(f.id, f.latex) for f in ctx.split("eval")]
-    return calib, evals, {"corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+    return calib, evals, {"corpus": ctx.split_hash("eval")}
 
 
 def chain(cfg, ctx, target: str) -> tuple[str, Optional[Path], dict[str, Path], str]:
@@ -69,13 +69,13 @@ def chain(cfg, ctx, target: str) -> tuple[str, Optional[Path], dict[str, Path], 
         folder = ctx.stage_folder("quantize")
     else:  # a quantize artifact's name under the artifacts root (like export.model), or a folder
         by_name = ctx.artifacts_dir / cfg.quantized
-        folder = by_name if (by_name / "manifest.json").is_file() else Path(cfg.quantized)
-    if not (folder / "manifest.json").is_file():
+        folder = by_name if (by_name / MANIFEST).is_file() else Path(cfg.quantized)
+    if not (folder / MANIFEST).is_file():
         if cfg.quantized != "auto":
             raise PipelineError(f"export.quantized={cfg.quantized}: no quantize artifact there (run stage=quantize)")
         model = ctx.chain_model(cfg.model, ctx.chain_upstream())
         return model, None, {}, f"no quantize artifact: a float package of {model}" if cfg.model == "auto" else ""
-    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest = json.loads((folder / MANIFEST).read_text())
     quantized_model = manifest["config"]["model_ref"]
     model = quantized_model if cfg.model == "auto" else cfg.model
     if ctx.model_hash(model) != manifest["inputs"]["model"]:
@@ -91,7 +91,7 @@ def chain(cfg, ctx, target: str) -> tuple[str, Optional[Path], dict[str, Path], 
 def finetuned(qdq_encoder: Optional[Path]) -> bool:
     """Whether the quantize artifact holding ``qdq_encoder`` finetuned its encoder quantization-aware
     (its manifest's metrics say how many steps ran); a QDQ encoder from elsewhere: not known, no."""
-    manifest = qdq_encoder.parent / "manifest.json" if qdq_encoder is not None else None
+    manifest = qdq_encoder.parent / MANIFEST if qdq_encoder is not None else None
     if manifest is None or not manifest.is_file():
         return False
     qat = json.loads(manifest.read_text()).get("metrics", {}).get("qat") or {}
@@ -114,10 +114,7 @@ class PackageJob:
     config: dict
     triton_kind: Optional[str]     # the Triton repository's instance kind; None: no repository
     trt_max_batch: Optional[int]   # a TensorRT package's Triton batches are bounded by its engines' profiles
-    max_length: int
-    batch_size: int
-    threads: int
-    flush_denormals: bool
+    limits: ModelLimits
 
 
 def plan_package(cfg, ctx, tcfg) -> PackageJob:
@@ -127,8 +124,7 @@ def plan_package(cfg, ctx, tcfg) -> PackageJob:
     triton_kind = target.triton_instance_kind if cfg.triton.enabled else None
     if triton_kind:
         cfg.triton.check(trt_max_batch)
-    mcfg = ctx.cfg.model
-    max_length, batch_size = int(mcfg.max_length), int(mcfg.batch_size)
+    limits = ctx.limits
     name = ctx.artifact_name(f"export-{target.name}", cfg.name, stage="export")
     model_ref, qdq_path, int8_decoders, handed = chain(cfg, ctx, target.name)
     if handed:
@@ -149,11 +145,10 @@ def plan_package(cfg, ctx, tcfg) -> PackageJob:
     # (the Triton settings only where the package gets a repository: a Metax package's stays unchanged)
     left_out = ("targets", "baselines", "baseline_parity_limit", *(() if triton_kind else ("triton",)))
     config = {**{k: v for k, v in asdict(cfg).items() if k not in left_out},
-              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": max_length,
-              **ctx.decoding_key(), "batch_size": batch_size, "model_ref": model_ref}
+              "target": OmegaConf.to_container(tcfg, resolve=True), "max_length": limits.max_length,
+              **ctx.decoding_key(), "batch_size": limits.batch_size, "model_ref": model_ref}
     return PackageJob(target, name, model_ref, qdq_path, int8_decoders, adapter, calib, evals, inputs, config,
-                      triton_kind, trt_max_batch, max_length, batch_size,
-                      int(mcfg.threads or 0), bool(mcfg.flush_denormals))
+                      triton_kind, trt_max_batch, limits)
 
 
 def write_graphs(cfg, job: PackageJob, folder: Path, progress: bool) -> tuple[BuiltGraphs, dict]:
@@ -167,7 +162,7 @@ def write_graphs(cfg, job: PackageJob, folder: Path, progress: bool) -> tuple[Bu
         shown = "; ".join(str(v) for v in built.violations[:5])
         more = f" (+{len(built.violations) - 5} more)" if len(built.violations) > 5 else ""
         raise PipelineError(f"the {job.target.name} package breaks its runtime's rules: {shown}{more}")
-    meta = write_package(folder, job.adapter, built, job.target, job.max_length, job.flush_denormals)
+    meta = write_package(folder, job.adapter, built, job.target, job.limits.max_length, job.limits.flush_denormals)
     if job.triton_kind:  # the repository is held to its contract like the graphs to their rules
         meta["triton"] = triton.write_repository(folder, cfg.triton, job.triton_kind, job.target.name)
         problems = check_triton_repository(folder, meta, job.triton_kind, job.trt_max_batch)
@@ -203,12 +198,12 @@ def parity(cfg, ctx, job: PackageJob, folder: Path, meta: dict, references: Opti
     """Parity on ONNX Runtime CPU, the reference runtime for every target: the tensors first (a package
     beyond them fails before the costly greedy decoding), then the greedy tokens; torch's reading is
     taken from ``references`` when another package of the same model already decoded the formulas."""
-    package = OnnxPackage(folder, threads=job.threads, provider="CPUExecutionProvider")
+    package = OnnxPackage(folder, threads=job.limits.threads, provider="CPUExecutionProvider")
     calib_items = render_inputs(job.calib, job.adapter.preprocess, cfg.parity_images, ctx.progress, "export calib")
     eval_items = render_inputs(job.evals, job.adapter.preprocess, cfg.parity_limit, ctx.progress, "export eval")
     if not calib_items or not eval_items:
         raise PipelineError("no parity formula could be rendered")
-    truth_ids = [job.adapter.encode_text(latex)[:job.max_length] for _, latex, _ in calib_items]
+    truth_ids = [job.adapter.encode_text(latex)[:job.limits.max_length] for _, latex, _ in calib_items]
     tensors = tensor_parity(job.adapter, package, torch.stack([x[2] for x in calib_items]), truth_ids)
     level, tol = tolerances(cfg, meta["precision"])
     failures = check_tolerances(tensors, None, **tol)
@@ -217,11 +212,11 @@ def parity(cfg, ctx, job: PackageJob, folder: Path, meta: dict, references: Opti
             {"target": job.target.name, "precision": meta["precision"], "tolerances": tol, "tolerance_level": level,
              "tensors": tensors, "failures": failures}, indent=2) + "\n")
         raise parity_failed(ctx, folder, job.name, job.target.name, failures)
-    key = (job.inputs["model"], tuple(x[0] for x in eval_items), job.max_length, job.batch_size)
+    key = (job.inputs["model"], tuple(x[0] for x in eval_items), job.limits.max_length, job.limits.batch_size)
     references = {} if references is None else references
     tokens = token_parity(job.adapter, package, torch.stack([x[2] for x in eval_items]),
-                          [x[1] for x in eval_items], [x[0] for x in eval_items], job.max_length,
-                          job.batch_size, progress=ctx.progress, reference=reused_reference(references, key))
+                          [x[1] for x in eval_items], [x[0] for x in eval_items], job.limits.max_length,
+                          job.limits.batch_size, progress=ctx.progress, reference=reused_reference(references, key))
     references[key] = tokens.reference
     qat = finetuned(job.qdq_path)
     failures = check_tolerances(tensors, tokens, **tol, finetuned=qat)
@@ -233,7 +228,7 @@ def speculative_check(cfg, ctx, job: PackageJob, folder: Path, meta: dict, check
     """With a drafter (``export.drafter``), on a package that passed its parity: the drafter built into
     ``folder`` and the package's speculative readings of the eval formulas against its greedy ones (what
     fails it joins ``checked.failures``); None without one."""
-    if cfg.drafter != "none" and "decoder_verify" not in meta["graphs"]:
+    if cfg.drafter != "none" and DECODER_VERIFY not in meta["graphs"]:
         log.warning(f"[export] {job.name}: no speculative decoding: stage quantize's INT8 decoders predate the "
                     f"verify graph (run stage=quantize again for it)")
         return None
@@ -244,7 +239,7 @@ def speculative_check(cfg, ctx, job: PackageJob, folder: Path, meta: dict, check
                        job.inputs.get("draft_model"))
     speculative = {"drafter": cfg.drafter, "draft_len": cfg.draft_len, "source": source,
                    **spec.check(folder, torch.stack([x[2] for x in checked.eval_items]).numpy(),
-                                checked.tokens.package_ids, job.max_length, job.threads)}
+                                checked.tokens.package_ids, job.limits.max_length, job.limits.threads)}
     checked.failures += spec.verdict(speculative, cfg.min_speculative_identical, cfg.speculative_tie_margin)
     return speculative
 
@@ -266,7 +261,7 @@ def parity_metrics(cfg, job: PackageJob, meta: dict, built: BuiltGraphs, checked
     return {"target": job.target.name, "precision": meta["precision"], "tolerances": checked.tol,
             "tolerance_level": checked.level, "tensors": checked.tensors, "qat_finetuned": checked.finetuned,
             "tokens": checked.tokens.as_dict(), "eval_source": eval_source,
-            "parity_limit": cfg.parity_limit, "eval_available": len(job.evals), "max_length": job.max_length,
+            "parity_limit": cfg.parity_limit, "eval_available": len(job.evals), "max_length": job.limits.max_length,
             "node_counts": {g: sum(h[list(h)[-1]].values()) for g, h in built.histograms.items()},
             "tensorrt": engines_built, "speculative": speculative}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.names import DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +36,24 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
 
     io = meta["io"]
     out: dict[str, dict[str, tuple[Shape, Shape, Shape]]] = {
-        "encoder": {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w)),
-                    **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io.get("encoder", {}).get("inputs", [])
-                       else {})},
-        "decoder_first": {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
-                          "memory": ((1, mem[0], d), (1, mem[1], d), (max_batch, mem[2], d))},
-        "decoder_step": {"input_ids": ((1, 1), (1, 1), (max_batch, 1))},
+        ENCODER: {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w)),
+                  **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io.get(ENCODER, {}).get("inputs", [])
+                     else {})},
+        DECODER_FIRST: {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
+                        "memory": ((1, mem[0], d), (1, mem[1], d), (max_batch, mem[2], d))},
+        DECODER_STEP: {"input_ids": ((1, 1), (1, 1), (max_batch, 1))},
     }
-    for name in io["decoder_step"]["inputs"][1:]:
+    for name in io[DECODER_STEP]["inputs"][1:]:
         if name.startswith("past_"):
-            out["decoder_step"][name] = kv(1, opt_len, max_len - 1)
+            out[DECODER_STEP][name] = kv(1, opt_len, max_len - 1)
         else:
-            out["decoder_step"][name] = kv(*mem)
-    if "decoder_verify" in meta.get("graphs", {}):
+            out[DECODER_STEP][name] = kv(*mem)
+    if DECODER_VERIFY in meta.get("graphs", {}):
         width = int(meta["verify_width"])  # batch 1, up to width tokens
-        out["decoder_verify"] = {"input_ids": ((1, 1), (1, width), (1, width))}
-        for name, shape in out["decoder_step"].items():
+        out[DECODER_VERIFY] = {"input_ids": ((1, 1), (1, width), (1, width))}
+        for name, shape in out[DECODER_STEP].items():
             if name != "input_ids":
-                out["decoder_verify"][name] = tuple((1, *s[1:]) for s in shape)  # batch 1 only
+                out[DECODER_VERIFY][name] = tuple((1, *s[1:]) for s in shape)  # batch 1 only
     return out
 
 

@@ -42,7 +42,7 @@ class TritonPythonModel:
         if args.get("model_instance_kind") == "GPU":  # each GPU instance on its own device
             options["device_id"] = int(args.get("model_instance_device_id") or 0)
         self.package = OnnxPackage(folder, threads=threads, provider_options=options)
-        self.max_length = int(self.package.meta["max_length"])
+        self.max_length = self.package.max_length
         pb_utils.Logger.log_info(f"formula-compress package {folder} ({self.package.meta['target']}) on "
                                  f"{self.package.provider}; speculative: {self.package.speculative}")
 

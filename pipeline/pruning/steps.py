@@ -77,18 +77,17 @@ def eval_items(cfg, ctx, adapter) -> dict[str, list[EvalItem]]:
 
 def measure_variant(adapter, items: dict[str, list[EvalItem]], cfg, ctx, desc: str) -> dict:
     """:func:`pipeline.pruning.measure.measure` with the stage's and the model's settings."""
-    mcfg = ctx.cfg.model
-    return measure.measure(adapter, items, int(mcfg.max_length), int(mcfg.batch_size), cfg.latency_images,
+    return measure.measure(adapter, items, ctx.limits.max_length, ctx.limits.batch_size, cfg.latency_images,
                            cfg.use_cache, ctx.device, ctx.progress, desc)
 
 
 def baseline(original, items: dict[str, list[EvalItem]], cfg, ctx, inputs: dict) -> dict:
     """The original's row of the table, cached: every job of a sweep shares it."""
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     config = {"eval_limit": cfg.eval_limit, "eval_splits": list(cfg.eval_splits),
               "latency_images": cfg.latency_images, "use_cache": cfg.use_cache,
-              "max_length": int(mcfg.max_length), **ctx.decoding_key(),
-              "batch_size": int(mcfg.batch_size), "seed": ctx.seed}
+              "max_length": limits.max_length, **ctx.decoding_key(),
+              "batch_size": limits.batch_size, "seed": ctx.seed}
     # one folder per configuration, so sweeps with different eval sets do not evict each other
     with ctx.cache_output(f"prune-baseline-{sha256_json([config, inputs])[:8]}", config, inputs) as out:
         if not out.reused:
@@ -111,7 +110,7 @@ def head_scores(cfg, ctx, adapter, attns, inputs: dict) -> dict:
     each in its own folder under ``<artifacts>/cache/``, for every later run and sweep job."""
     names = list(dict.fromkeys([cfg.criterion, *(["random"] if cfg.compare_random else []), *cfg.compare_criteria,
                                 *(["ablation"] if cfg.compare_criteria else [])]))
-    max_length = int(ctx.cfg.model.max_length)
+    max_length = ctx.limits.max_length
 
     def load_images():
         images, _, _ = render(adapter, train_pool(ctx, ctx.seed + 1), cfg.score_images, ctx.progress,
@@ -203,7 +202,7 @@ def stage_metrics(cfg, ctx, n_remove: int, head_counts: list, removed: dict, pru
         "token_policy": pruned.token_policy.to_dict() if pruned.token_policy is not None else None,
         "flops_per_head": per_head, "spearman_vs_ablation": correlations,
         "variants": rows, "recovery": recovery_log, "reload_identical": reload_ok,
-        "eval_n": len(next(iter(items.values()))), "max_length": int(ctx.cfg.model.max_length),
+        "eval_n": len(next(iter(items.values()))), "max_length": ctx.limits.max_length,
         "phase_seconds": phase_seconds,
     }
     metrics.update(measure.verdict(rows, cfg.em_tolerance, cfg.cer_tolerance))

@@ -25,7 +25,7 @@ def check_on_eval(cfg, ctx: StageContext, adapter, graphs: FloatGraphs, folder: 
     ``graphs`` are of finetuned weights (QAT): float and the anchors are of the model handed over,
     ours of the finetuned one."""
     reference = reference or graphs
-    max_length, batch = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
+    max_length, batch = ctx.limits.max_length, ctx.limits.batch_size
     sets = {split: split_set(ctx, adapter, split, cfg.eval_limit) for split in cfg.eval_splits}
     images, truths = sets[cfg.eval_splits[0]]
     variants: dict[str, tuple[Path, float, float]] = {  # name -> (encoder, INT8 MAC share, search seconds)
@@ -35,9 +35,9 @@ def check_on_eval(cfg, ctx: StageContext, adapter, graphs: FloatGraphs, folder: 
         "ours (plan, TensorRT/Metax graph)": (folder / QDQ_ENCODER, plan.int8_mac_share(), search_seconds),
     }
     decoders = {g: folder / n for g, n in DECODERS.items()} if plan.decoder == "int8" else {}
-    packages = {name: graphs.open_readers(int(ctx.cfg.model.threads or 0), cfg.workers,
+    packages = {name: graphs.open_readers(ctx.limits.threads, cfg.workers,
                                           decoders if name.startswith("ours (plan, ort") else None) for name in variants}
-    float_readers = graphs.open_readers(int(ctx.cfg.model.threads or 0), cfg.workers)
+    float_readers = graphs.open_readers(ctx.limits.threads, cfg.workers)
     notes: dict[str, str] = {}
     if cfg.anchors:
         for name, (path, share, secs, note) in anchors.build_all(reference, scratch, calib_set, cfg.calib_images,

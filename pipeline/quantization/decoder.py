@@ -31,6 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from pipeline.errors import PipelineError
+from pipeline.names import DECODER_STEP
 
 BITS = 8
 BLOCK = 32
@@ -267,7 +268,7 @@ class StepFeeds:
     what the step graph really sees. The cross-attention K/V of an image are stored once."""
 
     def __init__(self, package, images: np.ndarray, max_length: int, stride: int = 4):
-        self.names = package.io["decoder_step"]["inputs"]
+        self.names = package.io[DECODER_STEP]["inputs"]
         self.feeds: list[dict[str, np.ndarray]] = []
         original = package.step
         count = [0]

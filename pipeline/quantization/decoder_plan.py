@@ -15,7 +15,7 @@ from tqdm import tqdm
 from calibration import sensitivity
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import session_options
-from pipeline.names import INT8_DECODERS as DECODERS, QDQ_ENCODER_ORT
+from pipeline.names import DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, INT8_DECODERS as DECODERS, QDQ_ENCODER_ORT
 from pipeline.quantization import decoder as qdec
 from pipeline.quantization.graphs import FloatGraphs
 from pipeline.quantization.measure import Reading, loss_against, read, read_or_reject
@@ -44,20 +44,20 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
         if (graphs.package_dir / f"{g}.onnx").is_file():
             mm[g] = scratch / f"{g}.matmul.onnx"
             onnx.save(qdec.to_matmul(onnx.load(str(graphs.package_dir / f"{g}.onnx"))), str(mm[g]))
-    step_model = onnx.load(str(mm["decoder_step"]))
+    step_model = onnx.load(str(mm[DECODER_STEP]))
     step_nodes = qdec.weight_nodes(step_model)
     # the other decoder graphs' nodes -> the step's weights they hold (followed by every candidate plan)
-    parts = {g: qdec.weight_parts(step_model, onnx.load(str(mm[g]))) for g in mm if g != "decoder_step"}
+    parts = {g: qdec.weight_parts(step_model, onnx.load(str(mm[g]))) for g in mm if g != DECODER_STEP}
 
-    cross_nodes = qdec.cross_kv_nodes(onnx.load(str(mm["decoder_first"])), parts["decoder_first"])
+    cross_nodes = qdec.cross_kv_nodes(onnx.load(str(mm[DECODER_FIRST])), parts[DECODER_FIRST])
 
     def made(int8_step: list[str], tag: str, cross: bool = False) -> dict[str, Path]:
-        out = {"decoder_step": scratch / f"decoder_step.{tag}.onnx", "decoder_first": scratch / f"decoder_first.{tag}.onnx"}
-        qdec.quantize(mm["decoder_step"], out["decoder_step"], int8_step)
-        first = scratch / f"decoder_first.{tag}.nbits.onnx" if cross else out["decoder_first"]
-        qdec.quantize(mm["decoder_first"], first, qdec.follow_plan(parts["decoder_first"], int8_step))
+        out = {g: scratch / f"{g}.{tag}.onnx" for g in (DECODER_STEP, DECODER_FIRST)}
+        qdec.quantize(mm[DECODER_STEP], out[DECODER_STEP], int8_step)
+        first = scratch / f"{DECODER_FIRST}.{tag}.nbits.onnx" if cross else out[DECODER_FIRST]
+        qdec.quantize(mm[DECODER_FIRST], first, qdec.follow_plan(parts[DECODER_FIRST], int8_step))
         if cross:
-            qdec.quantize_cross_kv(first, out["decoder_first"], cross_nodes)
+            qdec.quantize_cross_kv(first, out[DECODER_FIRST], cross_nodes)
         return out
 
     def reading(decoders: dict[str, Path], against: Optional[Reading] = None) -> Reading:
@@ -84,11 +84,11 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
     else:
         so = session_options(threads or 0)
         feeds = qdec.StepFeeds(graphs.open_package(threads), sens_images, max_length)
-        ref = feeds.logits(ort.InferenceSession(str(mm["decoder_step"]), so, providers=["CPUExecutionProvider"]))
+        ref = feeds.logits(ort.InferenceSession(str(mm[DECODER_STEP]), so, providers=["CPUExecutionProvider"]))
         snr = sensitivity.SNR()
         for node in tqdm(step_nodes, desc="decoder sensitivity", disable=not progress):
-            probe = scratch / "decoder_step.probe.onnx"
-            qdec.quantize(mm["decoder_step"], probe, [node])
+            probe = scratch / f"{DECODER_STEP}.probe.onnx"
+            qdec.quantize(mm[DECODER_STEP], probe, [node])
             out = feeds.logits(ort.InferenceSession(str(probe), so, providers=["CPUExecutionProvider"]))
             sens.append({"node": node, "logit_snr_db": json_number(snr.score(ref, out))})
         sens.sort(key=lambda r: r["logit_snr_db"])  # most sensitive first
@@ -98,14 +98,14 @@ def decoder_plan(graphs: FloatGraphs, folder: Path, scratch: Path, plan: Plan, g
         int8 = order[searched.float_count:]
     cross = given.decoder_cross_kv if given is not None else "float"
     final = made(int8, "final", cross == "int8")
-    if "decoder_verify" in mm:  # not read by the search: a package's speculative readings are its greedy ones
+    if DECODER_VERIFY in mm:  # not read by the search: a package's speculative readings are its greedy ones
         try:
-            nodes = qdec.follow_plan(parts["decoder_verify"], int8)
+            nodes = qdec.follow_plan(parts[DECODER_VERIFY], int8)
         except ValueError as exc:
             log.warning(f"[quantize] no INT8 verify graph (the packages decode plain greedy): {exc}")
         else:
-            final["decoder_verify"] = scratch / "decoder_verify.final.onnx"
-            qdec.quantize(mm["decoder_verify"], final["decoder_verify"], nodes)
+            final[DECODER_VERIFY] = scratch / f"{DECODER_VERIFY}.final.onnx"
+            qdec.quantize(mm[DECODER_VERIFY], final[DECODER_VERIFY], nodes)
     # the search read this very plan already
     r = (searched.readings.get(searched.float_count) if searched else None) or reading(final)
     cross_check = None

@@ -11,6 +11,7 @@ from pipeline.export.build import build_graphs, decoder_shapes, exported_graphs
 from pipeline.export.package import write_package
 from pipeline.export.runtime import OnnxPackage
 from pipeline.export.targets import resolve_target, target_config
+from pipeline.names import ENCODER
 
 OPSET = 17
 
@@ -51,10 +52,10 @@ def float_graphs(adapter, workdir: Path, max_length: int, model_key: str, thread
     package_dir = workdir / "float-package"
     package_dir.mkdir()
     write_package(package_dir, adapter, built, target, max_length)
-    std = transforms.simplify(exported_graphs(adapter, OPSET, model_key)["encoder"], "encoder")
-    std_path = workdir / "encoder.std.onnx"
+    std = transforms.simplify(exported_graphs(adapter, OPSET, model_key)[ENCODER], ENCODER)
+    std_path = workdir / f"{ENCODER}.std.onnx"
     onnx.save(std, str(std_path))
     shapes = decoder_shapes(adapter)
-    return FloatGraphs(std_path, package_dir / "encoder.onnx", package_dir,
+    return FloatGraphs(std_path, package_dir / f"{ENCODER}.onnx", package_dir,
                        OnnxPackage(package_dir, threads=threads, provider="CPUExecutionProvider"),
                        shapes["memory_length"], shapes["hidden_size"])

@@ -14,6 +14,7 @@ from pipeline import interrupts
 from pipeline.adapters.base import DecodeResult
 from pipeline.export.runtime import OnnxPackage, batch_runs
 from pipeline.metrics import corpus_cer, normalize
+from pipeline.names import ENCODER
 
 
 @dataclass
@@ -54,7 +55,7 @@ def read(package: OnnxPackage | Sequence[OnnxPackage], encoder: Path | None, ima
     packages = [package] if isinstance(package, OnnxPackage) else list(package)
     if encoder is not None:
         for pkg in packages:
-            pkg.use_graph("encoder", encoder)
+            pkg.use_graph(ENCODER, encoder)
     cuts = batch_runs(len(images), batch_size, len(packages))
     if len(cuts) == 1:
         parts = [packages[0].generate(images, max_length=max_length, batch_size=batch_size)]
@@ -109,7 +110,7 @@ def _joined(parts: Sequence[Reading], truths: Sequence[str]) -> Reading:
 
 
 def encoder_outputs(package: OnnxPackage, encoder: Path, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
-    package.use_graph("encoder", encoder)
+    package.use_graph(ENCODER, encoder)
     return np.concatenate([package.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
 
 
@@ -120,7 +121,7 @@ def latency(packages: dict[str, tuple[OnnxPackage, Path | None]], images: np.nda
     ``packages`` maps a variant to (a package opened with its own sessions, encoder path or None)."""
     for pkg, enc in packages.values():
         if enc is not None:
-            pkg.use_graph("encoder", enc)
+            pkg.use_graph(ENCODER, enc)
         for img in images[:warmup]:
             pkg.generate(img[None], max_length=max_length, batch_size=1)
     acc = {k: {"encoder_s": 0.0, "decoder_s": 0.0, "total_s": 0.0, "steps": 0} for k in packages}

@@ -34,7 +34,7 @@ def prepared_graphs(adapter, model_key: str, calib_set, ctx: StageContext, scrat
                     qat_cfg: Optional[dict], calib_rows: int, workers: int, qat_minutes: float) -> Prepared:
     """The float graphs of ``adapter`` (in ``scratch``), with SmoothQuant ``alpha`` folded in and / or
     the QAT finetune ``qat_cfg`` applied first; the cache key names what was done and on which rows."""
-    max_length, threads = int(ctx.cfg.model.max_length), int(ctx.cfg.model.threads or 0)
+    max_length, threads = ctx.limits.max_length, ctx.limits.threads
     graph_key = model_key
     smoothing: dict = {}
     if alpha is not None:  # the chain's model stays as it is: only the graphs made here are smoothed
@@ -83,19 +83,19 @@ def qat_finetuned(adapter, calib_set, qat_cfg: dict, ctx: StageContext, referenc
 
     from pipeline.quantization import qat
 
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     if int(qat_cfg["images"]) > len(calib_set):
         log.warning(f"[quantize] qat_images={qat_cfg['images']}: the calibration set holds {len(calib_set)} rows; "
                     f"the finetune trains on those {len(calib_set)}")
     images = calib_images(calib_set, 0, min(int(qat_cfg["images"]), len(calib_set)))
     ids, how = readings.greedy_readings(ctx, adapter, model_key, images, "onnxruntime", workers,
                                         "QAT's targets (the float package's readings)",
-                                        packages=reference.open_readers(int(mcfg.threads or 0), workers))
+                                        packages=reference.open_readers(limits.threads, workers))
     read_s = how["seconds"]
     ranges = torch.from_numpy(images[:calib_rows])
     finetuned, report = qat.finetuned_copy(
         adapter, ranges, torch.from_numpy(images), steps=int(qat_cfg["steps"]), lr=float(qat_cfg["lr"]),
-        minutes=minutes, seed=ctx.seed, max_length=int(mcfg.max_length), read_batch=int(mcfg.batch_size),
+        minutes=minutes, seed=ctx.seed, max_length=limits.max_length, read_batch=limits.batch_size,
         progress=ctx.progress, targets=readings.with_bos(adapter, ids), precision=qat_cfg.get("precision", "fp32"),
         device=ctx.device)
     report.update(teacher_readings="float ONNX Runtime package" + (" (cached)" if how["cached"] else ""),

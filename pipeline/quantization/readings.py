@@ -40,8 +40,7 @@ def greedy_readings(ctx, adapter, model_key: str, images: torch.Tensor | np.ndar
     model's float package the caller has open already (read through them instead of exporting one)."""
     if reader not in READERS:
         raise ValueError(f"reader must be one of {', '.join(READERS)}, got {reader!r}")
-    mcfg = ctx.cfg.model
-    max_length, batch, threads = int(mcfg.max_length), int(mcfg.batch_size), int(mcfg.threads or 0)
+    max_length, batch, threads = ctx.limits.max_length, ctx.limits.batch_size, ctx.limits.threads
     config = {"reader": reader, "max_length": max_length, "batch_size": batch, **ctx.decoding_key()}
     inputs = {"model": model_key, "images": images_hash(images)}
     key = hashlib.sha256(json.dumps([config, inputs], sort_keys=True).encode()).hexdigest()[:16]

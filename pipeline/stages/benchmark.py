@@ -32,7 +32,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import check_splits
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
-from pipeline.names import DEPLOYABLE, FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL
+from pipeline.names import DEPLOYABLE, FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, MANIFEST
 from pipeline.reports import Phases
 
 NAME = "benchmark"
@@ -134,7 +134,7 @@ def _default_folder(ctx: StageContext, label: str, ref: str) -> Path:
     if label in SHARED_PACKAGES:
         return ctx.artifacts_dir / ref
     own = ctx.artifacts_dir / ctx.artifact_name(ref, stage="export")
-    return own if (own / "manifest.json").is_file() or ctx.job_overrides("export") else ctx.artifacts_dir / ref
+    return own if (own / MANIFEST).is_file() or ctx.job_overrides("export") else ctx.artifacts_dir / ref
 
 
 def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
@@ -146,7 +146,7 @@ def run(cfg: BenchmarkConfig, ctx: StageContext) -> dict:
     folders, notes = resolve_packages(dict(cfg.packages), defaults, ctx.artifacts_dir, COMPARISONS)
     for note in notes:
         log.info(f"[benchmark] {note}")
-    max_length = int(ctx.cfg.model.max_length)
+    max_length = ctx.limits.max_length
     formulas, extra, inputs = _formulas(cfg, ctx)
     inputs["model"] = ctx.model_hash(cfg.model)
     inputs.update({f"package:{label}": file_hash(folder) for label, folder in folders.items()})
@@ -229,7 +229,7 @@ def _lineup(cfg: BenchmarkConfig, ctx: StageContext, adapter: ModelAdapter, fold
     else:
         notes.append(f"model family {family!r} has no KV-cached torch decoder: that variant is left out")
     variants += [package_variant(label, f, int(cfg.threads)) for label, f in folders.items()]
-    if BASELINE_LABEL in folders and cfg.plain_baseline and ctx.cfg.model.flush_denormals:
+    if BASELINE_LABEL in folders and cfg.plain_baseline and ctx.limits.flush_denormals:
         # what a flag did, apart from what compression did: float-original twice, with and without it
         variants.append(package_variant(PLAIN_BASELINE_LABEL, folders[BASELINE_LABEL], int(cfg.threads),
                                         flush_denormals=False))
@@ -328,7 +328,7 @@ def _serving(cfg: BenchmarkConfig, lineup: Lineup, images: np.ndarray, max_lengt
 def _evaluate_note(ctx: StageContext, model: str, max_length: int) -> Optional[tuple[str, str]]:
     """(manifest key, a line) of stage evaluate's reading of the same model at the same cap, if any:
     the shipped model's accuracy on its whole source, beside the benchmark's subset."""
-    path = ctx.artifacts_dir / "evaluate" / "manifest.json"
+    path = ctx.artifacts_dir / "evaluate" / MANIFEST
     if model not in ("original", "package") or not path.is_file():
         return None
     try:

@@ -46,8 +46,7 @@ def open_source(ctx: StageContext, workers: int) -> tuple[sets.Source, dict[str,
     sets.check_source(data)
     if data.kind == "corpus":
         formulas = ctx.split("calib")
-        return sets.CorpusSource(formulas, workers), {
-            "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"]}
+        return sets.CorpusSource(formulas, workers), {"corpus": ctx.split_hash("calib")}
     path = Path(str(data.path))
     if data.kind == "image_folder":
         source = sets.ImageFolderSource(path, data.labels)

@@ -119,7 +119,7 @@ def _tokenizer_file(ref: str, ctx: StageContext) -> Path:
 # ---- the stage ----------------------------------------------------------------------------------
 def run(cfg: DistillConfig, ctx: StageContext) -> dict:
     validate(cfg)
-    max_length, batch_size = int(ctx.cfg.model.max_length), int(ctx.cfg.model.batch_size)
+    max_length, batch_size = ctx.limits.max_length, ctx.limits.batch_size
     model_ref = ctx.chain_model(cfg.model, upstream=("prune",))
     tok_file = _tokenizer_file(cfg.tokenizer, ctx)
     name = ctx.artifact_name("distill", cfg.name)

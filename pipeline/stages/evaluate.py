@@ -61,7 +61,7 @@ def sources(cfg: EvalConfig) -> list[Optional[str]]:
 
 
 def run(cfg: EvalConfig, ctx: StageContext) -> dict:
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     name = cfg.name or ("evaluate" if cfg.model in ("original", "package") else f"evaluate-{Path(cfg.model).name}")
     read: dict[str, Source] = {}  # split (or "input") -> what to evaluate
     inputs: dict[str, str] = {}
@@ -70,8 +70,8 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
         read[split or "input"] = src
         inputs.update(src.inputs)
     inputs["model"] = ctx.model_hash(cfg.model)
-    config = {**asdict(cfg), "max_length": int(mcfg.max_length), **ctx.decoding_key(),
-              "batch_size": int(mcfg.batch_size)}
+    config = {**asdict(cfg), "max_length": limits.max_length, **ctx.decoding_key(),
+              "batch_size": limits.batch_size}
     config.pop("in_chain")  # whether stage=all runs it, not what it measures
     with ctx.output(name, config, inputs) as out:
         if out.reused:  # decided on hashes alone: no model loaded, nothing rendered
@@ -81,10 +81,10 @@ def run(cfg: EvalConfig, ctx: StageContext) -> dict:
         adapter = ctx.load_model(cfg.model)
         loaded = {key: (load_items(src, adapter, ctx.progress), src.description) for key, src in read.items()}
         with placed(ctx.device, adapter):  # model.device: the torch reading runs there
-            metrics, rows = evaluate_sources(adapter, loaded, int(mcfg.max_length), int(mcfg.batch_size), cfg.model,
+            metrics, rows = evaluate_sources(adapter, loaded, limits.max_length, limits.batch_size, cfg.model,
                                              cfg.image_match, cfg.use_cache, ctx.progress)
         first_items = next(iter(loaded.values()))[0]
-        metrics.update(latency_of(adapter, first_items[:cfg.latency_samples], int(mcfg.max_length)))
+        metrics.update(latency_of(adapter, first_items[:cfg.latency_samples], limits.max_length))
         out.metrics.update(metrics)
         (out.path / "eval.json").write_text(json.dumps(metrics, indent=2))
         with open(out.path / "predictions.jsonl", "w", encoding="utf-8") as f:

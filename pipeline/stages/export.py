@@ -17,7 +17,7 @@ from typing import Optional
 
 from pipeline.context import StageContext
 from pipeline.errors import PipelineError, optional_part
-from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, QUANTIZE_ORIGINAL
+from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, MANIFEST, QUANTIZE_ORIGINAL
 from pipeline.export import drafter as spec
 from pipeline.export import steps
 from pipeline.export.graphs import VERIFY_WIDTH
@@ -152,7 +152,7 @@ def _baselines(cfg: ExportConfig, ctx: StageContext, references: dict) -> dict:
             made[FLOAT_CHAIN] = one(chain_model, "none", ctx.artifact_name(FLOAT_CHAIN, stage="export"))
         # this job's own (a sweep job's name carries its tag): a shared one was made with another plan
         quantized = ctx.artifacts_dir / ctx.artifact_name(QUANTIZE_ORIGINAL, stage="quantize")
-        if (quantized / "manifest.json").is_file():
+        if (quantized / MANIFEST).is_file():
             made[INT8_ORIGINAL] = one(origin, str(quantized), ctx.artifact_name(INT8_ORIGINAL, stage="export"))
     return made
 

@@ -95,7 +95,7 @@ def run(cfg: InferConfig, ctx: StageContext) -> dict:
 
     t0 = time.perf_counter()
     batch = 1 if package.speculative else cfg.batch_size  # speculative decoding reads one image a call
-    result = package.generate(np.stack(images), int(cfg.max_length or package.meta["max_length"]), batch)
+    result = package.generate(np.stack(images), int(cfg.max_length or package.max_length), batch)
     seconds = time.perf_counter() - t0
     lines = [f"{n}\t{t}" for n, t in zip(names, result.texts)]
     for line in lines:

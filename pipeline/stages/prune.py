@@ -269,9 +269,9 @@ def _save(ctx: StageContext, pruned, folder: Path, items: dict) -> bool:
 def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: int) -> dict:
     """What the artifact is keyed by: the stage's settings, the heads' count, seed, cap and decoding;
     options left at the value they had before they existed are left out, so earlier artifacts stay valid."""
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     config = {**asdict(cfg), "name": name, "n_remove": n_remove, "seed": ctx.seed,
-              "max_length": int(mcfg.max_length), **ctx.decoding_key(), "batch_size": int(mcfg.batch_size)}
+              "max_length": limits.max_length, **ctx.decoding_key(), "batch_size": limits.batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option
         config.pop("refit_varied")
     if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with

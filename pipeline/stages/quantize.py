@@ -34,7 +34,7 @@ from calibration.calibrators import METHODS, load_calib_set
 from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import check_splits
 from pipeline.errors import PipelineError, optional_part
-from pipeline.names import QUANTIZE_ORIGINAL
+from pipeline.names import MANIFEST, QUANTIZE_ORIGINAL
 from pipeline.quantization import qdq, steps
 from pipeline.quantization.check import check_on_eval
 from pipeline.quantization.report import summary_line
@@ -198,20 +198,20 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
         raise PipelineError(f"quantize: calib_images + {what} = {need} > {len(calib_set)} images in "
                             f"{calib_folder}; lower them or build a larger set (calibrate.size)")
     inputs = {"model": ctx.model_hash(model_ref), "calib_set": file_hash(calib_folder / "calib_set"),
-              "corpus": ctx.upstream("corpus")["outputs"]["formulas.jsonl"] if _has_corpus(ctx) else ""}
+              "corpus": ctx.split_hash("eval") if _has_corpus(ctx) else ""}
     if cfg.plan:
         inputs["plan"] = file_hash(Path(cfg.plan)) if Path(cfg.plan).is_file() else "missing"
     if cfg.search_split:
         ctx.split(cfg.search_split)  # an unknown or empty split: one error line before any work
         inputs["search_split"] = ctx.split_hash(cfg.search_split)
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     # quantize.original makes another artifact: switching it must not redo this one; search_split
     # unset is the search as it was before the option, QAT off the stage as before it (same key)
     config = {**{k: v for k, v in asdict(cfg).items() if k not in ("original", "original_search_images")
                  and not (k == "search_split" and v is None)
                  and not (k.startswith("qat_") and not cfg.qat_steps)},  # QAT off: the key as before it
-              "model_ref": model_ref, "max_length": int(mcfg.max_length), **ctx.decoding_key(),
-              "batch_size": int(mcfg.batch_size)}
+              "model_ref": model_ref, "max_length": limits.max_length, **ctx.decoding_key(),
+              "batch_size": limits.batch_size}
     log.info(f"[quantize] model: {model_ref}"
              + (" (handed over by prune)" if model_ref != "original" and cfg.model == "auto" else ""))
     with ctx.output(ctx.artifact_name("quantize", cfg.name), config, inputs) as out:
@@ -226,16 +226,16 @@ def _run_one(cfg: QuantizeConfig, ctx: StageContext) -> dict:
 
 
 def _has_corpus(ctx: StageContext) -> bool:
-    return (ctx.artifacts_dir / "corpus" / "manifest.json").is_file()
+    return (ctx.artifacts_dir / "corpus" / MANIFEST).is_file()
 
 
 def _quantize(cfg: QuantizeConfig, ctx: StageContext, model_ref: str, calib_set, folder: Path) -> dict:
     """The steps (pipeline/quantization/steps.py), each timed as a phase of the report."""
-    mcfg = ctx.cfg.model
+    limits = ctx.limits
     scratch = folder / ".work"
     scratch.mkdir()
-    r = steps.QuantizeRun(cfg, ctx, model_ref, calib_set, folder, scratch, int(mcfg.max_length),
-                          int(mcfg.batch_size), int(mcfg.threads or 0))
+    r = steps.QuantizeRun(cfg, ctx, model_ref, calib_set, folder, scratch, limits.max_length,
+                          limits.batch_size, limits.threads)
     phases = Phases()
     steps.float_graphs(r)                        # SmoothQuant and QAT when asked, then the float graphs
     phases.lap('float graphs')

@@ -96,7 +96,7 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict:
     first = packages[0]
     if cfg.max_length is not None:
         check_max_length(cfg.max_length, first.max_positions, f"package {folder}", "serve.max_length")
-    max_length = int(cfg.max_length or first.meta["max_length"])
+    max_length = int(cfg.max_length or first.max_length)
     metrics = ServeMetrics(cfg.max_batch)
     scheduler = Scheduler(packages, max_length, cfg.max_batch, cfg.max_wait_ms / 1000, cfg.max_queue,
                           cfg.group_by_length, metrics)
