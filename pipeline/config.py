@@ -12,8 +12,13 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from calibration.sets import KINDS as DATA_KINDS
+from pipeline.choices import choices
 from pipeline.errors import ConfigError, check_range
+from pipeline.export.targets import TargetConfig
 from pipeline.stages import STAGES
+
+DataKind = choices("DataKind", DATA_KINDS, __name__)  # data.kind: the data group's kinds (conf/data/*.yaml)
 
 
 @dataclass
@@ -58,7 +63,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "corpus"              # corpus | image_folder | hf_disk
+    kind: DataKind = DataKind.corpus  # corpus | image_folder | hf_disk
     path: Optional[str] = None        # image folder or save_to_disk dataset (image_folder, hf_disk)
     labels: Optional[str] = None      # labels file for an image folder: "<file>\t<latex>" lines
     image_column: str = "image"       # hf_disk: column holding the images
@@ -74,42 +79,6 @@ class DataConfig:
     max_chars: int = 120
     max_width_px: int = 496           # rendered at 32 px/em it must fit the canvas without shrinking
     max_height_px: int = 112
-
-
-@dataclass
-class TargetConfig:
-    name: str = "ort_cpu"             # ort_cpu | tensorrt | metax
-    opset: int = 17
-    max_opset: Optional[int] = None   # a runtime's ceiling (metax: 17)
-    max_ir_version: Optional[int] = None
-    allow_contrib_ops: bool = True    # com.microsoft ops (ORT fusions)
-    fp16_weights: bool = False
-    fuse: bool = True                 # ORT transformer optimizer fusions
-    # what the runtime's INT8 and FP16 kernels need, checked by the export validator (pipeline/export/validator.py)
-    symmetric_int8: bool = False      # INT8 zero points 0 (TensorRT, Metax)
-    per_channel_weights: bool = False   # weight scales per output channel (Metax)
-    per_tensor_activations: bool = False  # one scale per activation tensor (Metax)
-    float_only_ops: bool = False      # LayerNorm, Softmax, GELU stay float in the FP16 graph (Metax)
-    provider: str = "CPUExecutionProvider"
-    provider_options: Dict[str, Any] = field(default_factory=dict)
-    required_provider_options: List[str] = field(default_factory=list)  # the package refuses to be written without them
-    # the ngram drafter's defaults for this target's packages (export.ngram_min_confidence / ngram_tail
-    # override them): what a verify call costs there decides how many drafts it should check. A CPU pays
-    # for every token a call checks (~0.14 ms each on the deployable): only the drafts likely to pass,
-    # and one guess after them (least decoder time on calib, docs/export.md). A GPU at batch 1 pays for
-    # the call, about the same whatever its width: every draft the table has, up to export.draft_len.
-    draft_min_confidence: float = 0.7
-    draft_tail: int = 1
-    # a batch of several images in a package with a drafter: true, each image decoded speculatively on its
-    # own after the batch's encoder call; false, the batch in plain greedy steps. A CPU: true (a batched
-    # step reads every row's cross-attention K/V from memory and gains nothing from the batch: 1 thread,
-    # 64 calib formulas, batch 8 greedy 131 ms a formula, speculatively row by row 97; eval 140 / 100,
-    # shift 146 / 102; docs/export.md).
-    # A GPU: false (a batched step costs about what one row's does: the premise, untimed)
-    speculative_batches: bool = True
-    # the Triton model repository export writes into this target's packages (triton/, docs/triton.md):
-    # its instance_group's kind, KIND_CPU or KIND_GPU; null: none (metax: Triton has no MACA backend)
-    triton_instance_kind: Optional[str] = None
 
 
 def _root_fields() -> list[tuple[str, Any, Any]]:

@@ -12,6 +12,7 @@ from conftest import compose_cfg, make_ctx, run_cli
     ("stage=bogus", "Could not find 'stage/bogus'"),
     ("target=nope", "Could not find 'target/nope'"),
     ("model.max_length=many", "model.max_length"),
+    ("export.drafter=magic", "export.drafter=magic: Invalid value 'magic', expected one of [none, ngram, bpe, student]"),
 ])
 @pytest.mark.slow
 def test_config_errors_are_one_line_and_exit_2(tmp_path, override, needle):
@@ -177,3 +178,69 @@ def test_model_device_cuda_without_cuda_is_one_error_line_and_auto_is_the_cpu(tm
     holder = type("A", (), {"model": model})()
     with placed(torch.device("cpu"), holder):
         assert model.weight.device.type == "cpu"
+
+
+# the options that take one of a few values: a wrong one is refused when Hydra composes, naming the allowed ones
+@pytest.mark.parametrize("override, allowed", [
+    ("export.drafter=magic", "none, ngram, bpe, student"),
+    ("export.targets=[ort_cpu,nosuch]", "ort_cpu, tensorrt, metax"),
+    ("target.name=tpu", "ort_cpu, tensorrt, metax"),
+    ("target.triton_instance_kind=KIND_TPU", "KIND_CPU, KIND_GPU"),
+    ("data.kind=bogus", "corpus, image_folder, hf_disk"),
+    ("prune.normalize=glob", "layer, global"),
+    ("prune.finetune_scope=decoder", "model, encoder"),
+    ("prune.finetune_targets=ground", "labels, teacher"),
+    ("prune.finetune_precision=fp16", "fp32, bf16"),
+    ("prune.teacher_reader=tensorrt", "onnxruntime, torch"),
+    ("quantize.methods=[minmax,histogram]", "minmax, minmax_ema, entropy, percentile, percentile_99.99"),
+    ("quantize.method=histogram", "auto, minmax, minmax_ema, entropy, percentile, percentile_99.99"),
+    ("quantize.metric=mse", "snr_db, cosine"),
+    ("quantize.ort_cpu_activations=int4", "int8, uint8"),
+    ("quantize.qat_precision=fp16", "fp32, bf16"),
+    ("distill.targets=kd", "truth, teacher"),
+    ("prune.eval_splits=[eval,shfit]", "train, calib, eval, shift"),
+    ("tokenizer.eval_split=evl", "train, calib, eval, shift"),
+    ("quantize.search_split=trian", "train, calib, eval, shift"),
+    ("benchmark.extra_splits=[shift,nosuch]", "train, calib, eval, shift"),
+    ("eval.split=valid", "train, calib, eval, shift"),
+    ("serve.engine=spark", "builtin, ray"),
+])
+def test_a_value_outside_an_options_set_is_refused_at_compose_naming_the_allowed_ones(override, allowed):
+    from pipeline.__main__ import _first_line
+
+    with pytest.raises(Exception) as refused:
+        compose_cfg([override])
+    wrong = override.split("=", 1)[1].strip("[]").split(",")[-1]
+    assert f"Invalid value '{wrong}', expected one of [{allowed}]" in _first_line(refused.value)
+    assert override in _first_line(refused.value)  # the line names the key
+
+
+def test_a_typed_option_reads_compares_and_hashes_as_its_string():
+    """What an option's type changed is where a wrong value fails: the stage code compares it with its
+    string, and the artifact keys hash the same JSON as before the option was typed."""
+    import json
+    from dataclasses import asdict
+
+    from omegaconf import OmegaConf
+
+    from pipeline.artifacts import sha256_json
+    from pipeline.choices import Choice
+
+    cfg = OmegaConf.to_object(compose_cfg(["stage=all", "prune.finetune_precision=bf16"]))
+    drafter = cfg.export.drafter
+    assert isinstance(drafter, Choice) and drafter == "ngram" and str(drafter) == "ngram" and f"{drafter}" == "ngram"
+    assert {drafter: 1}["ngram"] == 1 and cfg.prune.finetune_precision == "bf16"
+
+    def plain(x):
+        if isinstance(x, Choice):
+            return x.value + ""  # a str, no longer a Choice
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return [plain(v) for v in x] if isinstance(x, list) else x
+
+    for section in (cfg.export, cfg.prune, cfg.quantize, cfg.distill, cfg.target, cfg.data, cfg.eval, cfg.benchmark,
+                    cfg.tokenizer):
+        typed = asdict(section)
+        assert json.dumps(typed, sort_keys=True) == json.dumps(plain(typed), sort_keys=True)
+        assert sha256_json(typed) == sha256_json(plain(typed))
+        assert type(plain(typed)) is dict and not any(isinstance(v, Choice) for v in plain(typed).values())

@@ -181,8 +181,7 @@ def test_bad_drafter_settings_are_one_clear_error(looping, tmp_path):
     from pipeline.stages import export
 
     root, _, _ = looping
-    for override, needle in (("export.drafter=magic", r"export\.drafter: unknown 'magic'; known: none, ngram, bpe"),
-                             ("export.draft_len=0", r"export\.draft_len must be >= 1, got 0"),
+    for override, needle in (("export.draft_len=0", r"export\.draft_len must be >= 1, got 0"),
                              ("export.draft_len=9", r"export\.draft_len must be <= 8 .*got 9"),
                              ("export.min_speculative_identical=1.5",
                               r"export\.min_speculative_identical must be in \[0, 1\], got 1\.5"),

@@ -9,6 +9,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf, ValidationError
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import PipelineError
@@ -229,9 +230,11 @@ def test_unknown_target_and_bad_opset_are_refused():
 
     cfg = compose_cfg(["target=metax"])
     assert resolve_target(cfg.target).rules.max_ir_version == 8
-    cfg.target.name = "nnapi"
+    with pytest.raises(ValidationError, match=r"Invalid value 'nnapi', expected one of \[ort_cpu, tensorrt, metax\]"):
+        cfg.target.name = "nnapi"  # the target group's schema refuses it; an untyped config, the target's check
+    untyped = OmegaConf.create({**OmegaConf.to_container(cfg.target), "name": "nnapi"})
     with pytest.raises(PipelineError, match="unknown export target 'nnapi'"):
-        resolve_target(cfg.target)
+        resolve_target(untyped)
     cfg = compose_cfg(["target=ort_cpu", "target.opset=13"])
     with pytest.raises(PipelineError, match="LayerNormalization"):
         resolve_target(cfg.target)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, ValidationError
 
 from pipeline.errors import PipelineError
 from pipeline.export import triton
@@ -127,7 +127,9 @@ def test_a_tensorrt_repository_fits_the_engines_profiles_and_bad_settings_fail_b
     assert resolve_target(target_config("ort_cpu")).triton_instance_kind == "KIND_CPU"
     assert resolve_target(target_config("metax")).triton_instance_kind is None
     bad = target_config("ort_cpu")
-    bad.triton_instance_kind = "KIND_TPU"
+    with pytest.raises(ValidationError, match=r"Invalid value 'KIND_TPU', expected one of \[KIND_CPU, KIND_GPU\]"):
+        bad.triton_instance_kind = "KIND_TPU"  # the YAML's schema refuses it; an untyped config, the target's check
+    bad = OmegaConf.create({**OmegaConf.to_container(bad), "triton_instance_kind": "KIND_TPU"})
     with pytest.raises(PipelineError, match="triton_instance_kind must be one of KIND_CPU, KIND_GPU"):
         resolve_target(bad)
 

@@ -7,12 +7,12 @@ address where no Ray answers before any work. Ray is imported only when an engin
 """
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import socket
 from typing import Optional
 
+from pipeline.choices import Choice
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 LOCALHOST = "127.0.0.1"
 
 
-class Engine(str, enum.Enum):
+class Engine(Choice):
     """What runs a stage's reading: this process (``builtin``) or Ray (``ray``)."""
     builtin = "builtin"
     ray = "ray"

@@ -22,6 +22,7 @@ from typing import Iterable
 
 from tqdm import tqdm
 
+from pipeline.choices import choices
 from pipeline.data.render import RenderError, render_formula
 from pipeline.errors import PipelineError
 from pipeline.metrics import normalize
@@ -29,6 +30,7 @@ from pipeline.pools import process_pool
 
 SPLITS = ("train", "calib", "eval")
 SHIFT = "shift"  # formulas from packages the corpus never read (pipeline.context: corpus-shift)
+Split = choices("Split", (*SPLITS, SHIFT), __name__)  # a stage option naming a split
 
 
 def check_splits(key: str, names) -> None:

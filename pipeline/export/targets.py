@@ -1,14 +1,53 @@
 """Deployment targets: what each runtime accepts and which graph transforms it gets."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
+from pipeline.choices import choices
 from pipeline.errors import PipelineError
-from pipeline.export.triton import INSTANCE_KINDS as TRITON_INSTANCE_KINDS
+from pipeline.export.triton import INSTANCE_KINDS as TRITON_INSTANCE_KINDS, InstanceKind
 from pipeline.export.validator import FLOAT_ONLY_OPS, MIN_OPSET, Rules
 
 KNOWN = ("ort_cpu", "tensorrt", "metax")
+TargetName = choices("TargetName", KNOWN, __name__)  # target.name, export.targets
+
+
+@dataclass
+class TargetConfig:
+    """The ``target`` group (``conf/target/<name>.yaml``): a runtime's rules and defaults, as data."""
+    name: TargetName = TargetName.ort_cpu  # ort_cpu | tensorrt | metax
+    opset: int = 17
+    max_opset: Optional[int] = None   # a runtime's ceiling (metax: 17)
+    max_ir_version: Optional[int] = None
+    allow_contrib_ops: bool = True    # com.microsoft ops (ORT fusions)
+    fp16_weights: bool = False
+    fuse: bool = True                 # ORT transformer optimizer fusions
+    # what the runtime's INT8 and FP16 kernels need, checked by the export validator (pipeline/export/validator.py)
+    symmetric_int8: bool = False      # INT8 zero points 0 (TensorRT, Metax)
+    per_channel_weights: bool = False   # weight scales per output channel (Metax)
+    per_tensor_activations: bool = False  # one scale per activation tensor (Metax)
+    float_only_ops: bool = False      # LayerNorm, Softmax, GELU stay float in the FP16 graph (Metax)
+    provider: str = "CPUExecutionProvider"
+    provider_options: Dict[str, Any] = field(default_factory=dict)
+    required_provider_options: List[str] = field(default_factory=list)  # the package refuses to be written without them
+    # the ngram drafter's defaults for this target's packages (export.ngram_min_confidence / ngram_tail
+    # override them): what a verify call costs there decides how many drafts it should check. A CPU pays
+    # for every token a call checks (~0.14 ms each on the deployable): only the drafts likely to pass,
+    # and one guess after them (least decoder time on calib, docs/export.md). A GPU at batch 1 pays for
+    # the call, about the same whatever its width: every draft the table has, up to export.draft_len.
+    draft_min_confidence: float = 0.7
+    draft_tail: int = 1
+    # a batch of several images in a package with a drafter: true, each image decoded speculatively on its
+    # own after the batch's encoder call; false, the batch in plain greedy steps. A CPU: true (a batched
+    # step reads every row's cross-attention K/V from memory and gains nothing from the batch: 1 thread,
+    # 64 calib formulas, batch 8 greedy 131 ms a formula, speculatively row by row 97; eval 140 / 100,
+    # shift 146 / 102; docs/export.md).
+    # A GPU: false (a batched step costs about what one row's does: the premise, untimed)
+    speculative_batches: bool = True
+    # the Triton model repository export writes into this target's packages (triton/, docs/triton.md):
+    # its instance_group's kind, KIND_CPU or KIND_GPU; null: none (metax: Triton has no MACA backend)
+    triton_instance_kind: Optional[InstanceKind] = None
 
 
 @dataclass(frozen=True)
@@ -83,8 +122,6 @@ def target_configs(names, chosen) -> dict[str, Any]:
 def target_config(name: str):
     """The target group option ``conf/target/<name>.yaml`` on the typed schema, as Hydra composes it."""
     from omegaconf import OmegaConf
-
-    from pipeline.config import TargetConfig
 
     if name not in KNOWN:
         raise PipelineError(f"unknown export target {name!r}; known: {', '.join(KNOWN)}")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from pipeline.choices import choices
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META
 
@@ -47,6 +48,7 @@ TEMPLATE = Path(__file__).resolve().parent / "triton_model.py"
 # the modules model.py imports; they and the project modules they import are copied beside it
 RUNTIME_ROOTS = ("pipeline.export.runtime", "pipeline.files")
 INSTANCE_KINDS = ("KIND_CPU", "KIND_GPU")
+InstanceKind = choices("InstanceKind", INSTANCE_KINDS, __name__)  # target.triton_instance_kind
 
 
 @dataclass

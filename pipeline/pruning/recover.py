@@ -347,6 +347,8 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: 
 
 
 FINETUNE_SCOPES = ("model", "encoder")
+# what the decoder is teacher-forced on: the labels, or the original's own greedy readings
+FINETUNE_TARGETS = ("labels", "teacher")
 # the student's forward and backward: fp32, or under bf16 autocast (matmuls in bfloat16; weights,
 # optimizer and losses fp32): 2.3x faster a step on this CPU (AVX512-BF16), the usual mixed precision
 # on a GPU. The teacher's outputs are fp32 either way (a fast run with them in bf16 too, and fewer

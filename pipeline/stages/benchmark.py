@@ -29,7 +29,7 @@ from pipeline.benchmarking.variants import (PACKAGE, TORCH, TORCH_KV, Lineup, pa
 from pipeline import files
 from pipeline.adapters.base import ModelAdapter
 from pipeline.context import StageContext, file_hash
-from pipeline.data.corpus import check_splits
+from pipeline.data.corpus import Split, check_splits
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.names import DEPLOYABLE, FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, MANIFEST
@@ -58,11 +58,11 @@ class BenchmarkConfig:
     packages: Dict[str, str] = field(default_factory=dict)  # label -> package folder or export stage name
     default_packages: bool = True    # also the DEFAULT_PACKAGES that exist (missing ones are skipped)
     serve: str = "deployable"        # the package label the serving test runs on (else the first package)
-    split: str = "eval"              # corpus split the formulas come from ...
+    split: Split = Split.eval        # corpus split the formulas come from ...
     formulas: Optional[str] = None   # ... or a file, one LaTeX formula per line
     # more corpus splits the packages also read (exact match and CER only, the table's last columns;
     # the original model's reading there is its float package's): formulas from sources training never saw
-    extra_splits: List[str] = field(default_factory=lambda: ["shift"])
+    extra_splits: List[Split] = field(default_factory=lambda: [Split.shift])
     eval_limit: Optional[int] = None  # formulas read for exact match / CER; null = all of them
     full_prefix_limit: int = 8       # the full-prefix decoder is slow (2-7 s a formula): its accuracy on the first N
     torch_limit: Optional[int] = 64  # the KV-cached torch model (~2 s a formula at 1 thread) reads the first N;

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from pipeline.artifacts import sha256_json
+from pipeline.choices import choices
 from pipeline.context import StageContext, file_hash
 from pipeline.data.templates import templated_formulas, varied_formulas
 from pipeline.device import placed
@@ -40,6 +41,8 @@ from pipeline.tokenization.atoms import normalize_formula
 log = logging.getLogger(__name__)
 NAME = "distill"
 CONFIG_KEY = "distill"
+
+Targets = choices("Targets", TARGETS, __name__)  # distill.targets: truth | teacher
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -65,7 +68,7 @@ class DistillConfig:
     # from; teacher = the char model's own greedy reading of the image (display wrapper stripped)
     # wherever it differs from the formula and did not run to the cap (sequence-level distillation:
     # the student is not asked for what the frozen encoder's outputs did not let the char model read)
-    targets: str = "truth"
+    targets: Targets = Targets.truth
     # the decoder's attention over the encoder output (and its norms) left as the char model learnt
     # it: the student learns which tokens to write, not how to read the image anew
     freeze_cross_attention: bool = False

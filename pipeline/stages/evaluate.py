@@ -16,6 +16,7 @@ from typing import List, Optional
 
 from pipeline.device import placed
 from pipeline.context import StageContext
+from pipeline.data.corpus import Split
 from pipeline.errors import PipelineError
 from pipeline.evaluation import evaluate_sources, latency_of
 from pipeline.evaluation.report import by_split, write_report
@@ -30,8 +31,8 @@ CONFIG_KEY = "eval"
 @dataclass
 class EvalConfig:
     model: str = "original"         # original | a stage with a model (prune, ...) | a model folder
-    split: Optional[str] = None     # one split (train|calib|eval|shift) when no formulas/images are given ...
-    splits: List[str] = field(default_factory=lambda: ["eval", "shift"])  # ... else these, side by side
+    split: Optional[Split] = None   # one split (train|calib|eval|shift) when no formulas/images are given ...
+    splits: List[Split] = field(default_factory=lambda: [Split.eval, Split.shift])  # ... else these, side by side
     formulas: Optional[str] = None  # file: one LaTeX formula per line
     images: Optional[str] = None    # folder of formula images ...
     labels: Optional[str] = None    # ... and their labels: "<file name>\t<latex>" per line

@@ -15,19 +15,22 @@ import shutil
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from pipeline.choices import choices
 from pipeline.context import StageContext
 from pipeline.errors import PipelineError, optional_part
 from pipeline.names import FLOAT_BASELINE, FLOAT_CHAIN, INT8_ORIGINAL, MANIFEST, QUANTIZE_ORIGINAL
 from pipeline.export import drafter as spec
 from pipeline.export import steps
 from pipeline.export.graphs import VERIFY_WIDTH
-from pipeline.export.targets import KNOWN, target_config, target_configs
+from pipeline.export.targets import KNOWN, TargetName, target_config, target_configs
 from pipeline.export.triton import TritonConfig
 
 log = logging.getLogger(__name__)
 
 NAME = "export"
 CONFIG_KEY = "export"
+
+Drafter = choices("Drafter", spec.KINDS, __name__)  # export.drafter: none | the drafters pipeline/drafting.py knows
 
 
 @dataclass
@@ -51,7 +54,7 @@ class ExportConfig:
     trt_max_batch: int = 16              # TensorRT profile: batch 1 .. trt_max_batch
     trt_opt_length: int = 48             # TensorRT profile: optimal decoded length
     trt_build: bool = True               # build engines where tensorrt imports
-    targets: list[str] = field(default_factory=list)  # several packages in one run (stage=all: every target);
+    targets: list[TargetName] = field(default_factory=list)  # several packages in one run (stage=all: every target);
                                          # empty = the `target` group
     baselines: bool = False              # also the ort_cpu packages the benchmark sets beside the chain's: the
                                          # original and the chain's model in float (export-ort_cpu-float-original,
@@ -60,7 +63,7 @@ class ExportConfig:
     chain_baseline: bool = True          # with baselines: also the chain's model in float (-float-chain: what
                                          # quantization alone changes); stage=all: off (a comparison), thorough: on
     # speculative decoding (docs/export.md): the package's drafter, checked against its plain greedy readings
-    drafter: str = "none"                # none: plain greedy (every package still holds decoder_verify) | ngram
+    drafter: Drafter = Drafter.none      # none: plain greedy (every package still holds decoder_verify) | ngram
                                          # (the package's own readings of train formulas) | bpe (stage tokenizer's
                                          # formula BPE) | student (stage distill's BPE student reads the image
                                          # first, its reading guides the drafts; the ngram table where it does not

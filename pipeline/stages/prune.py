@@ -21,8 +21,9 @@ from typing import List, Optional
 import torch
 
 from pipeline.artifacts import sha256_json
+from pipeline.choices import choices
 from pipeline.context import StageContext
-from pipeline.data.corpus import check_splits
+from pipeline.data.corpus import Split, check_splits
 from pipeline.errors import PipelineError
 from pipeline.pruning import count, recover, report as prune_report, scores as head_scores, select, steps
 from pipeline.quantization import readings
@@ -31,6 +32,13 @@ from pipeline.reports import Phases
 log = logging.getLogger(__name__)
 NAME = "prune"
 CONFIG_KEY = "prune"
+
+# the options that take one of a few values (the libraries' lists; head criteria stay open: a registry)
+Normalize = choices("Normalize", select.NORMALIZE, __name__)
+FinetuneScope = choices("FinetuneScope", recover.FINETUNE_SCOPES, __name__)
+FinetuneTargets = choices("FinetuneTargets", recover.FINETUNE_TARGETS, __name__)
+TeacherReader = choices("TeacherReader", readings.READERS, __name__)
+Precision = choices("Precision", recover.FINETUNE_PRECISIONS, __name__)
 
 
 @dataclass
@@ -70,7 +78,7 @@ class PruneConfig:
     # keeps, and the recovery's finetune trains it to (prune.tokens.enabled=true). Needs unpooled keys
     # (key_pool_layers=[]) and a family with a token grid
     tokens: TokensConfig = field(default_factory=TokensConfig)
-    normalize: str = "layer"         # layer | global: how scores compare across layers
+    normalize: Normalize = Normalize.layer  # layer | global: how scores compare across layers
     score_images: int = 16           # rendered train formulas for gradient and ablation scores
     recovery: bool = True            # distill the pruned model from the original
     refit_images: int = 128          # train formulas for the closed-form output-projection refit ...
@@ -94,21 +102,23 @@ class PruneConfig:
     finetune_batch: int = 4
     finetune_images: int = 128       # train formulas the finetune cycles over ...
     finetune_varied: int = 256       # ... plus this many random formulas of the varied grammar
-    finetune_scope: str = "encoder"  # model | encoder: which weights the finetune trains
+    # which weights the finetune trains: model | encoder
+    finetune_scope: FinetuneScope = FinetuneScope.encoder
     finetune_label_weight: float = 1.0  # weight of the cross-entropy on the targets (0: only the
                                      # original's logits and encoder output teach)
-    finetune_targets: str = "teacher"  # labels | teacher: what the decoder is teacher-forced on; teacher:
-                                     # the original's own greedy readings (sequence-level distillation)
+    # what the decoder is teacher-forced on: labels | teacher (the original's own greedy readings:
+    # sequence-level distillation)
+    finetune_targets: FinetuneTargets = FinetuneTargets.teacher
     # who reads the original's greedy targets: onnxruntime (its float package, ~5x faster on CPU) | torch;
     # either way cached under <artifacts>/cache/ by model and images (pipeline/quantization/readings.py)
-    teacher_reader: str = "onnxruntime"
+    teacher_reader: TeacherReader = TeacherReader.onnxruntime
     # the student's forward and backward in the finetune: fp32 | bf16 (autocast; weights, optimizer and
     # losses stay fp32; 2.3x faster a step on an AVX512-BF16 CPU)
-    finetune_precision: str = "fp32"
+    finetune_precision: Precision = Precision.fp32
     lr: float = 1e-4
     iterations: int = 1              # prune in this many rounds, recovering after each
     eval_limit: Optional[int] = 50   # formulas of each split scored per variant (None = the whole split)
-    eval_splits: List[str] = field(default_factory=lambda: ["eval", "shift"])  # scored side by side
+    eval_splits: List[Split] = field(default_factory=lambda: [Split.eval, Split.shift])  # scored side by side
     em_tolerance: float = 0.01       # "holds": exact match at most this far below the original ...
     cer_tolerance: float = 0.05      # ... and CER at most this much higher, relative, on every split
     compare_random: bool = True      # also prune random heads (same count, same recovery)
@@ -159,7 +169,7 @@ def validate(cfg: PruneConfig) -> None:
     if cfg.finetune_precision not in recover.FINETUNE_PRECISIONS:
         raise PipelineError(f"prune.finetune_precision must be one of {', '.join(recover.FINETUNE_PRECISIONS)}, "
                             f"got {cfg.finetune_precision!r}")
-    if cfg.finetune_targets not in ("labels", "teacher"):
+    if cfg.finetune_targets not in recover.FINETUNE_TARGETS:
         raise PipelineError(f"prune.finetune_targets must be labels or teacher, got {cfg.finetune_targets!r}")
     if not cfg.finetune_label_weight >= 0:
         raise PipelineError(f"prune.finetune_label_weight must be >= 0, got {cfg.finetune_label_weight}")

@@ -31,10 +31,12 @@ from typing import Optional
 
 from calibration import sensitivity
 from calibration.calibrators import METHODS, load_calib_set
+from pipeline.choices import choices
 from pipeline.context import StageContext, file_hash
-from pipeline.data.corpus import check_splits
+from pipeline.data.corpus import Split, check_splits
 from pipeline.errors import PipelineError, optional_part
 from pipeline.names import MANIFEST, QUANTIZE_ORIGINAL
+from pipeline.pruning.recover import FINETUNE_PRECISIONS
 from pipeline.quantization import qdq, steps
 from pipeline.quantization.check import check_on_eval
 from pipeline.quantization.report import summary_line
@@ -44,14 +46,21 @@ NAME = "quantize"
 CONFIG_KEY = "quantize"
 log = logging.getLogger(__name__)
 
+# the options that take one of a few values (the libraries' lists)
+Method = choices("Method", METHODS, __name__)
+MethodOrAuto = choices("MethodOrAuto", ("auto", *METHODS), __name__)
+SensitivityMetric = choices("SensitivityMetric", sensitivity.METRICS, __name__)
+Activations = choices("Activations", qdq.ACTIVATIONS, __name__)
+Precision = choices("Precision", FINETUNE_PRECISIONS, __name__)
+
 
 @dataclass
 class QuantizeConfig:
     model: str = "auto"               # auto = the prune stage's model when it exists, else original | a stage | a folder
     calibration: str = "calibrate"    # the calibrate stage's artifact (name under artifacts, or a folder)
-    methods: list[str] = field(default_factory=lambda: ["minmax", "minmax_ema", "percentile_99.99",
+    methods: list[Method] = field(default_factory=lambda: ["minmax", "minmax_ema", "percentile_99.99",
                                                         "percentile", "entropy"])
-    method: str = "auto"              # auto = the best of the comparison | one of calibration.calibrators.METHODS
+    method: MethodOrAuto = MethodOrAuto.auto  # auto = the best of the comparison | one of calibration.calibrators.METHODS
     calib_images: int = 32            # calibration-set rows the ranges come from
     # the next rows (with their formulas): accuracy during the search; at 96 one formula was 1 point,
     # twice the budget, and the binary search followed single-formula noise (docs/quantize.md)
@@ -61,17 +70,17 @@ class QuantizeConfig:
     # calibration rows give ~1), its first search_images formulas that render. Never an eval split:
     # the check would read the formulas the plan was chosen on. The ranges, the sensitivity images
     # and the decoder's records stay calibration rows
-    search_split: Optional[str] = None
+    search_split: Optional[Split] = None
     # a search reading stops once its candidate is clearly over the budget (loss minus 3 paired standard
     # errors above it), checked after every this many formulas; candidates within or near the budget are
     # read whole, so the decision is the whole set's where it could go either way. 0 = read every one whole
     search_chunk: int = 128
     sensitivity_images: int = 8       # rows whose encoder output scores each group
-    metric: str = "snr_db"            # sensitivity metric: snr_db | cosine
+    metric: SensitivityMetric = SensitivityMetric.snr_db  # sensitivity metric: snr_db | cosine
     budget: float = 0.005             # allowed exact-match loss vs the float model (0.005 = 0.5 point)
     plan: Optional[str] = None        # apply this plan file (JSON) instead of searching
     eval_limit: int = 64              # formulas of each split for the final check and the anchors
-    eval_splits: list[str] = field(default_factory=lambda: ["eval", "shift"])  # the first one: latency, identical tokens
+    eval_splits: list[Split] = field(default_factory=lambda: [Split.eval, Split.shift])  # the first one: latency, identical tokens
     workers: int = 2                  # session sets a search-set reading is split over, 1 thread each
                                       # (1: one session set with model.threads)
     decoder: bool = True              # ort_cpu decoder weights in 8 bits, node by node, as the budget allows
@@ -93,7 +102,7 @@ class QuantizeConfig:
     # the ort_cpu encoder's activations: uint8 = asymmetric (zero point fitted to the range; ONNX
     # Runtime CPU runs U8S8 at the speed of S8S8) | int8 = symmetric, zero point 0. The plain graph
     # (TensorRT, Metax) is symmetric int8 regardless. A plan file carries its own (quantize.plan wins)
-    ort_cpu_activations: str = "uint8"
+    ort_cpu_activations: Activations = Activations.uint8
     # quantization-aware finetune of the encoder before its graphs are made (pipeline/quantization/qat.py):
     # this many AdamW steps with ModelOpt's INT8 fake quantizers on every encoder projection, distilled
     # from the float model on its own greedy readings of the first qat_images calibration rows; the
@@ -103,7 +112,8 @@ class QuantizeConfig:
     qat_lr: float = 2e-5
     qat_images: int = 512             # calibration-set rows (from row 0) it trains on
     qat_minutes: float = 60.0         # wall-clock bound on the steps
-    qat_precision: str = "fp32"       # fp32 | bf16: the student's forward and backward under bf16 autocast (2.1x a step here)
+    qat_precision: Precision = Precision.fp32  # fp32 | bf16: the student's forward and backward under bf16 autocast
+                                      # (2.1x a step here)
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: off (a comparison; preset=thorough: on). Its plan check reads the first original_search_images
@@ -126,8 +136,6 @@ def validate(cfg: QuantizeConfig) -> None:
     if cfg.qat_steps < 0 or cfg.qat_images < 1 or not cfg.qat_lr > 0 or not cfg.qat_minutes > 0:
         raise PipelineError(f"quantize.qat_steps must be >= 0, qat_images >= 1, qat_lr and qat_minutes > 0; got "
                             f"{cfg.qat_steps}, {cfg.qat_images}, {cfg.qat_lr}, {cfg.qat_minutes}")
-    from pipeline.pruning.recover import FINETUNE_PRECISIONS
-
     if cfg.qat_precision not in FINETUNE_PRECISIONS:
         raise PipelineError(f"quantize.qat_precision must be one of {', '.join(FINETUNE_PRECISIONS)}, "
                             f"got {cfg.qat_precision!r}")

@@ -20,7 +20,7 @@ from typing import List, Optional
 from pipeline import files
 from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
-from pipeline.data.corpus import check_splits
+from pipeline.data.corpus import Split, check_splits
 from pipeline.errors import PipelineError
 from pipeline.tokenization import curve, measure
 from pipeline.tokenization.atoms import renderer_commands
@@ -45,10 +45,10 @@ class TokenizerConfig:
     include_model_chars: bool = True    # the model's current characters join the alphabet (no new <unk>)
     renderer_commands: bool = True      # commands mathtext knows stay whole even when training lacks them
     corpus: Optional[str] = None        # train on this file (one formula per line), not the corpus split
-    split: str = "train"                # corpus split to train on when no file is given
+    split: Split = Split.train          # corpus split to train on when no file is given
     eval_formulas: Optional[str] = None  # compare on this file, not the corpus split ...
-    eval_split: str = "eval"            # ... which is this one
-    shift_split: Optional[str] = "shift"  # also compared on formulas training never saw (null: skip) ...
+    eval_split: Split = Split.eval      # ... which is this one
+    shift_split: Optional[Split] = Split.shift  # also compared on formulas training never saw (null: skip) ...
     shift_formulas: Optional[str] = None  # ... or on this file instead
     curve_sizes: List[int] = field(default_factory=lambda: [1536, 1792, 2048, 2560, 3072, 4096])
     curve_holdout: float = 0.2          # share of train formulas held out to choose the size on
