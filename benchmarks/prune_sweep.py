@@ -17,12 +17,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.artifacts import atomic_write_dir  # noqa: E402
+from pipeline.names import MANIFEST  # noqa: E402
 from pipeline.reports import markdown_table, savefig  # noqa: E402
 
 
 def load(root: Path, prefix: str) -> list[dict]:
     runs = []
-    for manifest in sorted(root.glob(f"{prefix}*/manifest.json")):
+    for manifest in sorted(root.glob(f"{prefix}*/{MANIFEST}")):
         m = json.loads(manifest.read_text())
         if m.get("stage", "").startswith("prune-head-scores") or "variants" not in m.get("metrics", {}):
             continue

@@ -11,7 +11,7 @@ FORMULAS_FILE = "formulas.jsonl"
 # an exported package's metadata (graphs, precision, limits, format version), read by every runtime
 PACKAGE_META = "package.json"
 PREPROCESS = "preprocess.json"   # the package's declared preprocessing
-TOKENIZER = "tokenizer.json"     # the package's tokenizer
+TOKENIZER = "tokenizer.json"     # the package's tokenizer; stage tokenizer's formula BPE
 
 # an exported package's graphs (package.json: graphs, io, precision): the encoder (images -> memory);
 # the decoder's first call (BOS over the memory: logits, the self- and cross-attention caches); one

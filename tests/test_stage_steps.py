@@ -70,3 +70,36 @@ def test_no_latency_sample_measures_nothing():
     from pipeline.evaluation import latency_of
 
     assert latency_of(None, [], 16) == {}
+
+
+def test_export_tolerances_follow_the_packages_least_precise_graph_and_the_overrides():
+    from pipeline.export.steps import TOLERANCES, tolerances
+
+    cfg = SimpleNamespace(min_cosine=None, min_snr_db=30.0, min_identical=None)
+    level, tol = tolerances(cfg, {"encoder": "int8 qdq", "decoder_step": "fp32"})
+    assert level == "int8" and tol == {**TOLERANCES["int8"], "min_snr_db": 30.0}
+    assert tolerances(cfg, {"encoder": "fp16", "decoder_step": "fp32"})[0] == "fp16"
+    assert tolerances(cfg, {"encoder": "fp32"})[0] == "fp32"
+
+
+def test_export_builds_engines_only_for_a_tensorrt_package_that_passed():
+    from pipeline.export.steps import engines
+
+    job = SimpleNamespace(target=SimpleNamespace(name="ort_cpu"))
+    assert engines(None, job, None, {}, None, []) is None
+    job.target.name = "tensorrt"
+    assert engines(None, job, None, {}, None, ["greedy tokens: identical on 0.5"]) == {"built": False,
+                                                                                       "reason": "parity failed"}
+
+
+def test_export_knows_a_quantization_aware_encoder_by_its_quantize_manifest(tmp_path):
+    import json
+
+    from pipeline.export.steps import finetuned
+
+    encoder = tmp_path / "encoder.qdq.onnx"
+    assert not finetuned(None) and not finetuned(encoder)  # no manifest beside it: not known, no
+    (tmp_path / "manifest.json").write_text(json.dumps({"metrics": {"qat": {"steps": 0}}}))
+    assert not finetuned(encoder)
+    (tmp_path / "manifest.json").write_text(json.dumps({"metrics": {"qat": {"steps": 2}}}))
+    assert finetuned(encoder)

@@ -20,7 +20,7 @@ from pipeline.decoding import StudentReader
 from pipeline.data.render import render_inputs
 from pipeline.errors import PipelineError
 from pipeline.export.runtime import PACKAGE_META, OnnxPackage
-from pipeline.names import DECODER_FIRST, DECODER_STEP
+from pipeline.names import DECODER_FIRST, DECODER_STEP, TOKENIZER
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def check_student(folder: Path | None, ref: str) -> None:
     """A student drafter's model: a saved model folder whose tokenizer is a formula BPE (stage distill's)."""
     from pipeline.tokenization.bpe import is_bpe_file
 
-    if folder is None or not is_bpe_file(Path(folder) / "tokenizer.json"):
+    if folder is None or not is_bpe_file(Path(folder) / TOKENIZER):
         raise PipelineError(f"export.drafter=student: export.draft_model={ref} is not a formula BPE student "
                             f"(run stage=distill, or name its model folder)")
 
@@ -135,7 +135,7 @@ def make(cfg, ctx, adapter, package: OnnxPackage, folder: Path, name: str, model
     ``student_key``: the student model's hash when the caller has it."""
     max_length = ctx.limits.max_length
     if cfg.drafter == "bpe":
-        tok = ctx.stage_folder("tokenizer") / "tokenizer.json"
+        tok = ctx.stage_folder("tokenizer") / TOKENIZER
         if not tok.is_file():
             raise PipelineError(f"export.drafter=bpe needs stage tokenizer's formula BPE ({tok}): run stage=tokenizer")
         drafter = build("bpe", package, None, cfg.ngram_order, cfg.ngram_min_count, bpe_pieces(tok))

@@ -36,6 +36,7 @@ from pipeline.distillation import memory, report, targets
 from pipeline.distillation.targets import TARGETS, kd_target  # noqa: F401 (kd_target: tests import the rule from here)
 from pipeline.distillation.train import Schedule, train_decoder
 from pipeline.errors import PipelineError
+from pipeline.names import TOKENIZER
 from pipeline.tokenization.atoms import normalize_formula
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ NAME = "distill"
 CONFIG_KEY = "distill"
 
 Targets = choices("Targets", TARGETS, __name__)  # distill.targets: truth | teacher
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = TOKENIZER  # stage tokenizer's BPE
 
 
 @dataclass

@@ -119,7 +119,7 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
     references: dict = {}  # torch's parity reading per (model, formulas, cap, batch): once for all targets
     drafts: dict = {}      # the drafter's readings per (model, formulas, cap): once for all targets
     if not cfg.targets:
-        manifests = {ctx.cfg.target.name: _run_one(replace(cfg, baselines=False), ctx, ctx.cfg.target, references,
+        manifests = {str(ctx.cfg.target.name): _run_one(replace(cfg, baselines=False), ctx, ctx.cfg.target, references,
                                                    drafts)}
     else:
         manifests = {}
@@ -127,7 +127,7 @@ def run(cfg: ExportConfig, ctx: StageContext) -> dict:
             one = replace(cfg, targets=[], baselines=False, name=f"{cfg.name}-{name}" if cfg.name else None)
             others = [t for t in cfg.targets if t != name]
             with optional_part(f"export target {name}", f"export.targets=[{','.join(others)}]"):
-                manifests[name] = _run_one(one, ctx, tcfg, references, drafts)
+                manifests[str(name)] = _run_one(one, ctx, tcfg, references, drafts)
     if cfg.baselines:
         with optional_part("export.baselines (the packages the benchmark compares with)", "export.baselines=false"):
             manifests.update(_baselines(cfg, ctx, references))

@@ -22,6 +22,7 @@ from pipeline.artifacts import sha256_json
 from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import Split, check_splits
 from pipeline.errors import PipelineError
+from pipeline.names import TOKENIZER
 from pipeline.tokenization import curve, measure
 from pipeline.tokenization.atoms import renderer_commands
 from pipeline.tokenization.measure import CHAR_NAME, OURS_NAME, PLAIN_NAME
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 NAME = "tokenizer"
 CONFIG_KEY = "tokenizer"
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = TOKENIZER  # the BPE stage distill and export.drafter=bpe read
 BASELINE_FILE = "baseline_bytelevel_bpe.json"
 
 
