@@ -80,3 +80,37 @@ def test_the_readmes_results_table_is_the_one_its_run_summary_gives():
     source = re.search(r"<!-- results table: benchmarks/readme_table.py (\S+) -->", readme)
     assert source, "README names the summary its results table comes from"
     assert readme_table(json.loads((REPO / source.group(1)).read_text(encoding="utf-8"))) in readme
+
+
+# ---- pages for readers: short, the current recipe; the history is in docs/results/ --------------------------
+
+README_MAX_LINES = 120
+PAGE_MAX_LINES = 250
+STAGE_PAGES = sorted((REPO / "docs").glob("*.md"))  # docs/results/ (the dated records) aside
+# a lab journal's mark: "run 16", "Run 8:", "runs 14-16", "runs 15 and 16" (not "runs 200 bf16 steps")
+JOURNAL_MARK = re.compile(r"\brun \d+\b|\bruns \d+\s*(?:-|–|and|to)\s*\d+\b", re.IGNORECASE)
+
+
+def test_the_readme_is_at_most_120_lines():
+    n = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines (at most {README_MAX_LINES}: move narrative to docs/results/)"
+
+
+@pytest.mark.parametrize("page", STAGE_PAGES, ids=lambda p: p.name)
+def test_each_docs_page_is_at_most_250_lines(page):
+    n = len(page.read_text(encoding="utf-8").splitlines())
+    assert n <= PAGE_MAX_LINES, f"docs/{page.name} has {n} lines (at most {PAGE_MAX_LINES}: history to docs/results/)"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_no_page_carries_run_n_journal_marks(page):
+    """A page gives the current recipe; "run 16" belongs to the dated record that measured it."""
+    marks = sorted({m.group(0) for m in JOURNAL_MARK.finditer(page.read_text(encoding="utf-8"))})
+    assert not marks, f"{page.relative_to(REPO)} carries journal marks {marks}: name the record instead"
+
+
+def test_the_journal_mark_scan_sees_marks_and_skips_prose():
+    assert [m.group(0) for m in JOURNAL_MARK.finditer(
+        "in run 16, Run 8: ok, runs 14-16 and runs 15 and 16; `stage=all` runs 200 bf16 steps, make run 2x")] == [
+        "run 16", "Run 8", "runs 14-16", "runs 15 and 16"]
+    assert any(JOURNAL_MARK.search(p.read_text(encoding="utf-8")) for p in (REPO / "docs" / "results").glob("*.md"))

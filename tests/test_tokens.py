@@ -55,6 +55,20 @@ def test_a_batch_tops_up_shorter_rows_with_their_own_real_patches():
         assert set(own) <= set(row) and len(set(row.tolist())) == row.size  # its own first, no repeats
 
 
+def test_training_batches_hold_one_bucket_each_so_a_row_reads_what_it_keeps_alone():
+    blank = np.ones((1, 128, 512), np.float32)
+    formula = _formula_image(r"\sum_{i=1}^{n} i^{2} = \frac{n(n+1)(2n+1)}{6}")
+    noise = np.random.default_rng(0).random((1, 128, 512), dtype=np.float32)
+    images = np.stack([blank, formula, noise, blank, formula, blank, blank])
+    order = [6, 2, 0, 4, 1, 3, 5]
+    out = POLICY.batches_by_bucket(images, order, 2)
+    assert len(out) % 2 == 0 and set(out) == set(order)  # every image, runs of whole batches
+    for run in (out[j:j + 2] for j in range(0, len(out), 2)):
+        counts = {POLICY.count(POLICY.ranks(images[i])) for i in run}
+        assert len(counts) == 1 and POLICY.keep_batch(images[run]).shape[1] == counts.pop()  # no top-up
+    assert out[:2] == [6, 0] and out == POLICY.batches_by_bucket(images, order, 2)  # as the order came; same again
+
+
 def test_indices_that_do_not_fit_are_one_error_and_settings_are_checked():
     with pytest.raises(PipelineError, match="outside the image's 1024 patches"):
         POLICY.check(np.array([[0, 1024]]), 1)

@@ -97,7 +97,8 @@ def package_files(folder: Path) -> list[Path]:
     meta = json.loads((folder / PACKAGE_META).read_text())
     graphs = [folder / g for g in meta["graphs"].values()]
     data = [folder / f"{g}.data" for g in meta["graphs"].values() if (folder / f"{g}.data").is_file()]
-    return graphs + data + [folder / n for n in PACKAGE_SHIPPED if (folder / n).is_file()]
+    shared = [folder / meta["weights"]["file"]] if "weights" in meta else []  # the decoder graphs' one copy
+    return graphs + data + shared + [folder / n for n in PACKAGE_SHIPPED if (folder / n).is_file()]
 
 
 def torch_variant(label: str, adapter: ModelAdapter, ref: str, source: str, family: str, use_cache: bool,

@@ -7,14 +7,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import onnx
-
 from pipeline.errors import PipelineError
 from pipeline.export.build import BuiltGraphs, decoder_shapes
 from pipeline.export.graphs import VERIFY_WIDTH
 from pipeline.export.onnx_graphs import graph_io
 from pipeline.export.runtime import PACKAGE_META, PREPROCESS, TOKENIZER, package_format, session_config
 from pipeline.export.targets import Target
+from pipeline.export.weights import save_graphs
 from pipeline.names import DECODER_VERIFY
 
 
@@ -25,16 +24,15 @@ def write_package(folder: Path, adapter, built: BuiltGraphs, target: Target, max
     reads the package with."""
     shapes = decoder_shapes(adapter)
     nl = shapes["num_layers"]
-    graphs = {}
-    for g, m in built.models.items():
-        onnx.save(m, str(folder / f"{g}.onnx"))
-        graphs[g] = f"{g}.onnx"
+    # the decoder's three graphs (first, step, verify) read one copy of its weights
+    weights = save_graphs(built.models, folder, shared=[g for g in built.models if g.startswith("decoder")])
+    graphs = {g: f"{g}.onnx" for g in built.models}
     shutil.copyfile(adapter.tokenizer_path, folder / TOKENIZER)
     (folder / PREPROCESS).write_text(json.dumps(adapter.preprocess_spec(), indent=2) + "\n")
     meta = {
         "format": package_format(adapter.token_policy is not None),
         "target": target.name, "provider": target.provider, "provider_options": target.provider_options,
-        "graphs": graphs, "io": graph_io(nl, adapter.token_policy is not None), "precision": built.precision,
+        "graphs": graphs, **({"weights": weights} if weights else {}), "io": graph_io(nl, adapter.token_policy is not None), "precision": built.precision,
         "opset": target.opset, "ir_version": {g: int(m.ir_version) for g, m in built.models.items()},
         # the char vocabulary, or the formula BPE (HF tokenizers JSON) of a decoder from stage distill
         # (hf: any HF tokenizers JSON, read with the ids below)

@@ -431,6 +431,8 @@ def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, l
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(images), generator=gen).tolist()
+    if student.token_policy is not None:  # a batch of one bucket: each image reads what it keeps at batch 1
+        order = student.token_policy.batches_by_bucket(images.detach().float().cpu().numpy(), order, batch_size)
     t0 = time.perf_counter()
     done, first, last, resumed = 0, None, None, 0
     if state_file is not None and Path(state_file).is_file():

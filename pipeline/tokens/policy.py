@@ -105,6 +105,22 @@ class TokenPolicy:
         k = max((self.count(r) for r in ranks), default=self.buckets[0])
         return np.stack([_first(r, k) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
 
+    def batches_by_bucket(self, images: np.ndarray, order: Sequence[int], batch: int) -> list[int]:
+        """``order`` rearranged so that each run of ``batch`` indices holds images of one bucket: a training
+        batch then reads each image with the tokens it keeps alone (batch 1's reading), not topped up to
+        the batch's largest bucket. A bucket's last short batch is filled with its own first images;
+        batches follow each other as their first image came in ``order`` (seeded order in, same out)."""
+        bucket = {i: self.count(self.ranks(images[i])) for i in order}
+        batches = []
+        for b in self.buckets:
+            members = [i for i in order if bucket[i] == b]
+            if not members:
+                continue
+            members += [members[j % len(members)] for j in range((-len(members)) % batch)]
+            batches += [members[j:j + batch] for j in range(0, len(members), batch)]
+        position = {i: n for n, i in enumerate(order)}
+        return [i for run in sorted(batches, key=lambda run: position[run[0]]) for i in run]
+
     def check(self, keep: np.ndarray, batch: int) -> None:
         """One error line for indices that do not fit this policy's image (or the batch)."""
         keep = np.asarray(keep)
