@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     base = pkg.token_policy
     policies = [parse_policy(s, base) for s in args.policies]
     ctx = StageContext.compose(args.artifacts.resolve())
-    cap = int(ctx.cfg.model.max_length)
+    cap = ctx.limits.max_length
     rows, reference = [], {}
     timing = None
     for split in args.splits:
