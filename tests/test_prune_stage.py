@@ -82,7 +82,7 @@ def test_flops_target_iterations_and_named_artifact(tmp_path, tiny_folder):
     assert m["flops_reduction"] >= 0.1
     # stage=all's setting: no reading of the pruned model before its recovery, the rest as usual
     assert set(m["variants"]) == {"original", "pruned, after recovery"}
-    assert "check reading before recovery" not in m["phase_seconds"] and m["phase_seconds"]["recovery"] > 0
+    assert "check reading before recovery" not in m["phase_seconds"] and "recovery" in m["phase_seconds"]
     assert "## Where the time went" in (tmp_path / "prune-f10" / "report.md").read_text()
     assert len(m["recovery"]["rounds"]) == 2
     # the varied grammar's images join the train images in every round's refit
