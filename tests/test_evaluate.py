@@ -63,7 +63,7 @@ def test_evaluate_reports_eval_and_shift_splits_side_by_side(corpus_root):
 
 
 def test_evaluate_split_errors_are_one_line(corpus_root):
-    for override, words in (("eval.splits=[]", "eval.splits is empty"), ("eval.split=nosuch", "'nosuch' is empty"),
+    for override, words in (("eval.splits=[]", "eval.splits is empty"), ("eval.split=nosuch", "Invalid value 'nosuch', expected one of [train, calib, eval, shift]"),
                             ("eval.splits=[eval,eval]", "names a split twice")):
         proc = run_cli("stage=evaluate", f"artifacts.dir={corpus_root}", override, "progress=false")
         assert proc.returncode == 2 and words in proc.stderr.strip().splitlines()[-1], proc.stderr
