@@ -309,3 +309,25 @@ def test_an_hf_model_whose_channels_are_normalized_apart_is_refused_in_one_line(
     adapter._spec = {**adapter._spec, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.2, 0.2]}
     with pytest.raises(PipelineError, match="normalizes each channel differently"):
         adapter.set_token_policy({})
+
+
+def test_the_policy_comparison_script_reads_policies_over_the_packages_own():
+    """benchmarks/token_policies.py's policy specs: fields over the package's policy, `all`, a bad field refused."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("token_policies", bench / "token_policies.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    assert module.parse_policy("own:", POLICY) == ("own", POLICY)
+    name, p = module.parse_policy("floor384:buckets=384/1024,dilate=2", POLICY)
+    assert (name, p.buckets, p.dilate, p.frame_stride) == ("floor384", (384, 1024), 2, POLICY.frame_stride)
+    assert module.parse_policy("all:all", POLICY)[1].keep(np.ones((1, 128, 512), np.float32)).size == 1024
+    with pytest.raises(SystemExit, match="'grid_h' is not a token policy field"):
+        module.parse_policy("x:grid_h=2", POLICY)
