@@ -5,7 +5,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from pipeline.distillation.student import init_student, piece_map
+from pipeline.adapters.junia_student import init_student, piece_map
 from pipeline.tokenization.bpe import token_strings
 from pipeline.tokenization.atoms import normalize_formula
 from pipeline.adapters.latex_ocr_junia import char_vocabulary as model_char_vocabulary

@@ -76,6 +76,15 @@ class CachedDecoder(Protocol):
         ...
 
 
+
+@dataclass(frozen=True)
+class SmoothPair:
+    """One of SmoothQuant's places an adapter declares (:meth:`ModelAdapter.smoothing_pairs`; the fold:
+    :mod:`pipeline.quantization.smooth`)."""
+    name: str                 # the consumers' common label, e.g. "encoder_blocks.0.attn.qkv"
+    producer: nn.Module       # nn.LayerNorm (scale and shift) or nn.Linear (output rows)
+    consumers: tuple[nn.Linear, ...]  # projections whose input channels are the producer's outputs
+
 class ModelAdapter(abc.ABC):
     """One trained image -> LaTeX model, with the knowledge to run and reshape it."""
 
@@ -369,7 +378,7 @@ class ModelAdapter(abc.ABC):
         if windows:
             raise NotImplementedError(f"{type(self).__name__} cannot pool encoder keys")
 
-    def smoothing_pairs(self) -> list:
+    def smoothing_pairs(self) -> list[SmoothPair]:
         """SmoothQuant's places (:mod:`pipeline.quantization.smooth`): each encoder module whose output
         channels are the input channels of some projections, with those projections. None by default
         (stage quantize then refuses ``quantize.smoothquant``)."""

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline import schema
 from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
-from pipeline.adapters.base import ModelAdapter, register_adapter
+from pipeline.adapters.base import ModelAdapter, SmoothPair, register_adapter
 from pipeline.data.render import INK_THRESHOLD
 from pipeline.errors import PipelineError, SchemaError
 # the canvas is the package's preprocessing too (torch-free, beside its registered kind)
@@ -304,7 +304,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         return CachedDecoder(self.model).eval()
 
     def with_bpe(self, tokenizer_path: Path) -> "LatexOcrJuniaAdapter":
-        from pipeline.distillation.student import init_student, piece_map
+        from pipeline.adapters.junia_student import init_student, piece_map
 
         bpe = BpeTokenizer.from_file(tokenizer_path)
         try:
@@ -350,8 +350,6 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     def smoothing_pairs(self) -> list:
         """Pre-LN blocks: norm1 feeds q/k/v, norm2 the first MLP projection, v_proj's output rows the
         output projection (the second MLP projection reads GELU's output: nothing linear to fold into)."""
-        from pipeline.quantization.smooth import SmoothPair
-
         pairs = []
         for i, block in enumerate(self.model.encoder_blocks):
             a, p = block.attn, f"encoder_blocks.{i}"

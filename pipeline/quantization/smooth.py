@@ -18,20 +18,13 @@ quantizer, for TensorRT-LLM); this module does the fold for the ONNX path.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from pipeline.adapters.base import SmoothPair
 from pipeline.errors import PipelineError
-
-
-@dataclass(frozen=True)
-class SmoothPair:
-    name: str                 # the consumers' common label, e.g. "encoder_blocks.0.attn.qkv"
-    producer: nn.Module       # nn.LayerNorm (scale and shift) or nn.Linear (output rows)
-    consumers: tuple[nn.Linear, ...]  # projections whose input channels are the producer's outputs
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 ``python -m pipeline stage=distill`` takes the char model the chain hands over (prune's when its
 artifact exists, else the original; ``distill.model`` overrides) and the tokenizer stage's BPE, and
 builds a student with the BPE vocabulary: every block copied, each BPE token's embedding and output
-row made from the char pieces it is spelled with (``pipeline/distillation/student.py``). The
+row made from the char pieces it is spelled with (``pipeline/adapters/junia_student.py``). The
 encoder is frozen: its outputs for the rendered train-split formulas plus the templated generator
 and the varied grammar (``pipeline/data/templates.py``) are computed once and cached (fp16 on disk, ``<artifacts>/cache/``), and the decoder learns the
 plain formula (normalized, no display wrapper) in BPE ids from them. Training is bounded
