@@ -27,10 +27,6 @@ def _raw(t: onnx.TensorProto) -> bytes:
     return numpy_helper.to_array(t).tobytes()  # typed fields (float_data ...): the same bytes, little-endian
 
 
-def _nbytes(t: onnx.TensorProto) -> int:
-    return len(t.raw_data) if t.HasField("raw_data") else len(_raw(t))
-
-
 def save_graphs(models: dict[str, onnx.ModelProto], folder: Path, shared: Iterable[str]) -> dict[str, Any]:
     """Write ``<folder>/<graph>.onnx`` for every model; the large tensors of the graphs named in ``shared``
     go once each into ``<folder>/SHARED_WEIGHTS``. The models passed in are left as they are. Returns
@@ -45,9 +41,9 @@ def save_graphs(models: dict[str, onnx.ModelProto], folder: Path, shared: Iterab
                 m = onnx.ModelProto()
                 m.CopyFrom(models[g])
                 for t in m.graph.initializer:
-                    if t.data_location == onnx.TensorProto.EXTERNAL or _nbytes(t) < MIN_BYTES:
+                    raw = b"" if t.data_location == onnx.TensorProto.EXTERNAL else _raw(t)
+                    if len(raw) < MIN_BYTES:  # small, or external already
                         continue
-                    raw = _raw(t)
                     key = hashlib.sha256(raw).hexdigest()
                     if key not in offsets:
                         pad = (-size) % ALIGN
