@@ -171,11 +171,19 @@ def _prune(root, folder, *overrides):
     return ctx, prune.run(OmegaConf.to_object(ctx.cfg.prune), ctx)
 
 
-def test_prune_tokens_recovers_the_model_to_read_its_kept_tokens_and_saves_the_policy(tmp_path):
+def test_prune_tokens_recovers_the_model_to_read_its_kept_tokens_and_saves_the_policy(tmp_path, monkeypatch):
+    from pipeline.pruning import recover
+
+    trained_with = []
+    finetune = recover.finetune
+    monkeypatch.setattr(recover, "finetune", lambda student, *a, **k: (
+        trained_with.append(student.token_policy.buckets), finetune(student, *a, **k))[1])
     build_tiny().save(tmp_path / "tiny")
     ctx, manifest = _prune(tmp_path, tmp_path / "tiny", "prune.num_heads=0",
-                           "prune.tokens.enabled=true",
+                           "prune.tokens.enabled=true", "prune.tokens.train_buckets=[8,32]",
                            "prune.tokens.buckets=[8,16,32]", "prune.tokens.frame_stride=2")
+    assert trained_with == [(8, 32)]  # the finetune's batches: the training buckets; the model keeps its own
+    assert manifest["config"]["tokens"]["train_buckets"] == [8, 32]
     m = manifest["metrics"]
     assert m["token_policy"]["buckets"] == [8, 16, 32] and m["token_policy"]["frame_stride"] == 2
     assert len(m["recovery"]["rounds"]) == 1 and m["recovery"]["rounds"][0]["finetune"]["steps"] == 2

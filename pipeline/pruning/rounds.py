@@ -46,6 +46,7 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
     rounds = [order[int(len(order) * i / cfg.iterations):int(len(order) * (i + 1) / cfg.iterations)]
               for i in range(cfg.iterations)]
     tokens = cfg.tokens.policy() if hasattr(cfg, "tokens") else None  # stage prune's token policy, or None
+    train_tokens = cfg.tokens.policy(training=True) if tokens is not None else None  # the finetune's buckets
     if (pools or tokens is not None) and not order:  # nothing pruned: one recovery round for them alone
         rounds = [[]]
     student = original.clone()
@@ -78,7 +79,7 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
             student, original, images[:cfg.distill_images], layers, epochs=cfg.distill_epochs, lr=cfg.distill_lr,
             minutes=cfg.distill_minutes / cfg.iterations, seed=seed + r, progress=progress)
         entry["distill_cpu_seconds"] = time.process_time() - t0
-        student.set_token_policy(tokens)
+        student.set_token_policy(train_tokens)
         t0 = time.process_time()
         entry["finetune_planned"] = share(cfg.finetune_steps, r, cfg.iterations)
         entry["finetune"] = recover.finetune(

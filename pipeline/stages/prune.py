@@ -48,13 +48,18 @@ class TokensConfig:
     frame_stride: int = 4            # plus every frame_stride-th patch of rows and columns: the frame (0: none)
     buckets: List[int] = field(default_factory=lambda: [128, 256, 384, 1024])  # counts kept, padded up to one
     ink_below: float = 250 / 255     # a pixel darker than this (preprocessed scale) is ink
+    # the buckets the recovery's finetune batches hold (each batch one bucket; None: `buckets`). Trained on
+    # smaller buckets than it reads with, a model read better (docs/results/2026-12-07-token-policies.md)
+    train_buckets: Optional[List[int]] = None
 
-    def policy(self) -> Optional[dict]:
-        """The policy's settings (pipeline/tokens/policy.py), or None when off."""
+    def policy(self, training: bool = False) -> Optional[dict]:
+        """The policy's settings (pipeline/tokens/policy.py), or None when off; ``training``: the
+        finetune's (``train_buckets``)."""
         if not self.enabled:
             return None
+        buckets = self.train_buckets if training and self.train_buckets else self.buckets
         return {"dilate": int(self.dilate), "frame_stride": int(self.frame_stride),
-                "buckets": [int(b) for b in self.buckets], "ink_below": float(self.ink_below)}
+                "buckets": [int(b) for b in buckets], "ink_below": float(self.ink_below)}
 
 
 @dataclass
@@ -289,6 +294,8 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
         config.pop("key_pool")
     if not cfg.tokens.enabled:  # every token, as before the option
         config.pop("tokens")
+    else:  # the finetune's batches hold one bucket each (they were topped up to their largest before)
+        config["tokens"]["batches"] = "one bucket"
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
                         ("check_before_recovery", True)):
@@ -304,6 +311,7 @@ def _changes(cfg: PruneConfig, adapter, n_remove: int, pools: dict) -> bool:
         twin = adapter.clone()
         twin.pool_encoder_keys(pools)
         try:
+            twin.set_token_policy(cfg.tokens.policy(training=True))
             twin.set_token_policy(cfg.tokens.policy())
         except PipelineError as exc:
             raise PipelineError(f"prune.tokens: {exc}") from None
