@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("b", nargs="+", help="package folder(s): the variant(s), each paired against the reference")
     ap.add_argument("--splits", nargs="+", default=["eval", "shift"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8, help="images a call (1: a token policy's own buckets)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
     args = ap.parse_args()
     ctx = StageContext.compose(args.artifacts.resolve())
@@ -72,10 +73,10 @@ def main() -> None:
         items = render_inputs([(f.id, f.latex) for f in ctx.split(split)], packages[0].preprocess, None, False, split)
         images = np.stack([np.asarray(x, np.float32) for _, _, x in items])
         truths = [latex for _, latex, _ in items]
-        ra = read(packages[0], None, images, truths, cap, 8)
+        ra = read(packages[0], None, images, truths, cap, args.batch)
         for b, package in zip(args.b, packages[1:]):
             row = {"split": split, "a": args.a, "b": b,
-                   **compare(ra, read(package, None, images, truths, cap, 8), truths, cap - 1)}
+                   **compare(ra, read(package, None, images, truths, cap, args.batch), truths, cap - 1)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     with (args.out or args.artifacts / "paired-splits.jsonl").open("a", encoding="utf-8") as f:
