@@ -2,6 +2,7 @@
 encoder on the kept tokens, and the exported encoder with its ``keep`` input against its torch model."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -231,6 +232,36 @@ def test_the_chain_hands_a_token_policy_from_prune_through_quantize_to_every_tar
         blank = np.ones((1, *meta["input_shape"]), np.float32)
         assert package.encode(blank).shape[1] == 8  # the floor
         assert package.generate(blank, 8, 1).token_ids  # a blank image reads (empty is fine), never a crash
+
+
+def test_the_anchors_calibrate_a_policy_encoder_through_its_keep_input(tmp_path):
+    """NNCF's and ModelOpt's calibration get the kept indices the package's runtime would compute (without
+    them a policy's encoder cannot run: both anchors were "not run")."""
+    import datasets
+
+    from pipeline.data.render import render_formula
+    from pipeline.quantization import anchors
+    from pipeline.quantization.graphs import float_graphs
+
+    adapter = build_tiny()
+    adapter.set_token_policy({"buckets": [8, 16, 32], "frame_stride": 2})
+    images = np.stack([adapter.preprocess(render_formula(f)).numpy() for f in FORMULAS]).astype(np.float32)
+    calib = datasets.Dataset.from_dict({"pixel_values": images})
+    graphs = float_graphs(adapter, tmp_path, 8, "tiny-tokens", threads=1)
+    policy = graphs.package.token_policy
+    assert policy is not None
+    feeds = anchors._feeds(images[:3], policy)
+    assert feeds["keep"].tolist() == policy.keep_batch(images[:3]).tolist()
+    assert anchors._feeds(images[:3], None).keys() == {"images"}
+    if importlib.util.find_spec("nncf"):
+        path, share, _, note = anchors._nncf(graphs.encoder_ort, tmp_path, calib, 4, graphs.memory_length,
+                                             graphs.hidden_size, lambda _, rows: (1.0, [1.0] * len(rows)), 4,
+                                             0.5, policy)
+        assert path is not None and path.is_file() and share > 0, note
+    if importlib.util.find_spec("modelopt"):
+        path, _, _, note = anchors._modelopt(graphs.encoder_std, tmp_path, calib, 4, graphs.memory_length,
+                                             graphs.hidden_size, policy)
+        assert path is not None and path.is_file(), note
 
 
 def test_the_policy_loads_alone_where_only_numpy_is():

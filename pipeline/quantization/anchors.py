@@ -65,9 +65,10 @@ def build_all(graphs, workdir: Path, calib_set, calib_images: int, by_name,
     out["ORT quantize_static (defaults)"] = (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
                                             "U8 activations, per-tensor, MinMax")
 
-    out[MODELOPT] = _modelopt(graphs.encoder_std, workdir, calib_set, calib_images, tokens, hidden)
+    policy = graphs.package.token_policy
+    out[MODELOPT] = _modelopt(graphs.encoder_std, workdir, calib_set, calib_images, tokens, hidden, policy)
     out[NNCF] = _nncf(graphs.encoder_ort, workdir, calib_set, calib_images, tokens, hidden, validate,
-                      search_rows, budget)
+                      search_rows, budget, policy)
     return out
 
 
@@ -75,8 +76,13 @@ NNCF = "NNCF quantize_with_accuracy_control"
 MODELOPT = "ModelOpt ONNX INT8"
 
 
+def _feeds(images, policy) -> dict:
+    """An encoder's feeds for a batch of ``images``: with a token policy, its ``keep`` indices too."""
+    return {"images": images, **({"keep": policy.keep_batch(images)} if policy is not None else {})}
+
+
 def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int,
-          validate: Optional[Validate], search_rows: int, budget: float) -> tuple:
+          validate: Optional[Validate], search_rows: int, budget: float, policy=None) -> tuple:
     """NNCF's accuracy-aware post-training quantization (ONNX backend) with its defaults, held to our
     budget (absolute exact-match drop) on our search set, read by our greedy decoder: it quantizes
     what its own rules pick, ranks its quantizer groups on ``subset_size`` rows and returns them to
@@ -102,7 +108,7 @@ def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: in
     t0 = time.perf_counter()
     try:
         quantized = nncf.quantize_with_accuracy_control(
-            onnx.load(str(encoder)), nncf.Dataset(list(data), lambda x: {"images": x[None]}),
+            onnx.load(str(encoder)), nncf.Dataset(list(data), lambda x: _feeds(x[None], policy)),
             nncf.Dataset(list(range(search_rows))), validation_fn, max_drop=budget, subset_size=calib_images)
     except Exception as exc:  # nncf raises many types; the anchor is reported as not run
         return (None, 0.0, 0.0, f"not run: NNCF failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
@@ -114,7 +120,8 @@ def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: in
             f"subset_size={calib_images}")
 
 
-def _modelopt(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int) -> tuple:
+def _modelopt(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int,
+              policy=None) -> tuple:
     """ModelOpt's ONNX INT8 with its defaults, in a child process: importing
     ``modelopt.onnx.quantization`` patches ONNX Runtime's calibrators and quantizer registry for the
     whole process (``ort_patching.patch_ort_modules``), and every later ``quantize_static`` of ours
@@ -125,14 +132,14 @@ def _modelopt(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens
     path = workdir / "anchor.modelopt.onnx"
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        error = pool.submit(_modelopt_child, str(encoder), str(path), data).result()
+        error = pool.submit(_modelopt_child, str(encoder), str(path), _feeds(data, policy)).result()
     if error:
         return (None, 0.0, 0.0, f"not run: {error}")
     return (path, int8_mac_share(path, tokens, hidden), time.perf_counter() - t0,
             "calibration_eps=cpu, high_precision_dtype=fp32, opset raised to 19 by ModelOpt")
 
 
-def _modelopt_child(encoder: str, out: str, data) -> Optional[str]:
+def _modelopt_child(encoder: str, out: str, feeds: dict) -> Optional[str]:
     """Runs in the child process: ModelOpt's quantize, its output silenced; an error as one line."""
     try:
         from modelopt.onnx.quantization import quantize as modelopt_quantize
@@ -142,7 +149,7 @@ def _modelopt_child(encoder: str, out: str, data) -> Optional[str]:
         # defaults, except: calibrate on the CPU (no GPU here) and keep the float part FP32 (its
         # default FP16 has no fast path in ONNX Runtime on x86)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-            modelopt_quantize(encoder, quantize_mode="int8", calibration_data={"images": data},
+            modelopt_quantize(encoder, quantize_mode="int8", calibration_data=feeds,
                               calibration_eps=["cpu"], output_path=out, high_precision_dtype="fp32",
                               log_level="ERROR")
     except Exception as exc:  # modelopt raises many types; the anchor is reported as not run
