@@ -195,6 +195,28 @@ def test_prune_tokens_recovers_the_model_to_read_its_kept_tokens_and_saves_the_p
     assert model.encode(blank).shape[1] == 8  # a blank image: the floor
 
 
+def test_qat_finetunes_a_policy_model_against_itself_at_the_tokens_both_keep():
+    """QAT's teacher is the float model with the same policy: its memory is already at the kept tokens (the
+    prune recovery's teacher reads every token and is gathered); a teacher keeping other tokens is refused."""
+    from pipeline.pruning import recover
+    from pipeline.quantization import qat
+
+    adapter = build_tiny()
+    adapter.set_token_policy({"buckets": [8, 16, 32], "frame_stride": 2})
+    blank = torch.ones(1, *adapter.input_shape)
+    corner = blank.clone()
+    corner[..., :8, :16] = torch.rand(1, 8, 16)  # ink in 2 of 32 patches: a short bucket, not every patch
+    images = torch.cat([blank, corner, blank, corner])
+    kept = {adapter.keep_indices(im[None]).shape[1] for im in images}
+    assert max(kept) < 32  # the tokens kept are a subset, so a second gather would index past them
+    finetuned, report = qat.finetuned_copy(adapter, images, images, steps=2, batch_size=2, max_length=6)
+    assert report["steps"] == 2 and finetuned.token_policy == adapter.token_policy
+    other = adapter.clone()
+    other.set_token_policy({"buckets": [16, 32]})
+    with pytest.raises(ValueError, match="must keep the student's"):
+        recover.finetune(other, adapter, images, [""] * 4, steps=1, minutes=1, targets=[[1, 2]] * 4)
+
+
 @pytest.mark.parametrize("override, message", [
     ("prune.key_pool_layers=[0] prune.key_pool=[2,2] prune.tokens.enabled=true",
      "needs every encoder layer's keys unpooled"),

@@ -422,6 +422,9 @@ def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, l
         raise ValueError(f"finetune scope must be one of {', '.join(FINETUNE_SCOPES)}, got {scope!r}")
     if precision not in FINETUNE_PRECISIONS:
         raise ValueError(f"finetune precision must be one of {', '.join(FINETUNE_PRECISIONS)}, got {precision!r}")
+    if teacher.token_policy is not None and teacher.token_policy != student.token_policy:
+        raise ValueError("a teacher that reads with a token policy must keep the student's (its memory is at "
+                         "its own kept tokens)")
     cache = TeacherCache(teacher)  # fp32 always: the targets are the float teacher's
     device = next(model.parameters()).device
     params = list(model.parameters())
@@ -454,8 +457,8 @@ def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, l
             mask = tgt.ne(student.pad_id)
             t_mem, t_logits = cache.batch(idx, images, inp, mask.sum(1).tolist())
             keep = student.keep_indices(x) if student.token_policy is not None else None
-            if keep is not None:  # the teacher's memory at the tokens the student keeps (it read them all)
-                t_mem = torch.gather(t_mem, 1, keep[:, :, None].expand(-1, -1, t_mem.shape[-1]))
+            if keep is not None and teacher.token_policy is None:  # the teacher read them all: its memory at
+                t_mem = torch.gather(t_mem, 1, keep[:, :, None].expand(-1, -1, t_mem.shape[-1]))  # the kept ones
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 mem = student.encode(x) if keep is None else student.encode_kept(x, keep)
                 logits = student.decode_logits(inp, mem)
