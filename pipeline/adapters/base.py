@@ -22,6 +22,7 @@ from pipeline import interrupts
 # DecodeResult lives beside the loops that fill it (torch-free: the package runtime and Triton's model read it)
 from pipeline.decoding import DecodeResult, LayoutGuard, greedy  # noqa: F401
 from pipeline.errors import PipelineError
+from pipeline.tokens.policy import reading_batches
 
 _ADAPTERS: dict[str, type["ModelAdapter"]] = {}
 
@@ -306,8 +307,12 @@ class ModelAdapter(abc.ABC):
         dev = self.device
         banned = self.banned_token_ids()
         guard = self.layout_guard()
-        for start in range(0, images.shape[0], batch_size):
-            batch = images[start:start + batch_size]
+        policy = None if encoded else self.token_policy  # each batch of one bucket, as the package reads
+        host = images if policy is None else images.detach().float().cpu().numpy()
+        order: list[int] = []
+        for rows in reading_batches(host, batch_size, policy):
+            order += rows
+            batch = images[rows]
             t0 = time.perf_counter()
             memory = batch.float().to(dev) if encoded else self.encode(batch)
             t1 = time.perf_counter()
@@ -324,6 +329,8 @@ class ModelAdapter(abc.ABC):
             if progress is not None:
                 progress(n)
             interrupts.check()  # a signal a native callback swallowed ends the reading here
+        back = np.argsort(order, kind="stable")  # each image's reading where the image came
+        all_ids, steps, capped = ([seq[i] for i in back] for seq in (all_ids, steps, capped))
         texts = [self.decode_text(ids) for ids in all_ids]
         return DecodeResult(all_ids, texts, enc_s, dec_s, steps, capped)
 

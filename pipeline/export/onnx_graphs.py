@@ -62,7 +62,8 @@ def export_graphs(adapter, opset: int) -> dict[str, onnx.ModelProto]:
         graphs = {ENCODER: _to_model(EncoderGraph(adapter), (images,), io[ENCODER],
                                      {"images": {0: "batch"}, "memory": {0: "batch"}}, opset)}
     else:  # traced with a count that is no bucket, so no size is baked in
-        k = policy.buckets[0] + 3
+        k = next(c for c in (policy.buckets[0] + 3, *range(policy.num_patches - 1, 1, -1))
+                 if c <= policy.num_patches and c not in policy.buckets)  # within the image's patches
         keep = torch.stack([torch.arange(k) * (policy.num_patches // k), torch.arange(k)])
         graphs = {ENCODER: _to_model(KeptEncoderGraph(adapter), (images, keep), io[ENCODER],
                                      {"images": {0: "batch"}, KEEP: {0: "batch", 1: "tokens"},

@@ -21,6 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.names import (DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER, PACKAGE_META, PREPROCESS,
                             REQUIRED_GRAPHS, TOKENIZER)
 from pipeline.preprocessing import preprocess
+from pipeline.tokens.policy import reading_batches
 from pipeline.schema import load_json
 
 log = logging.getLogger(__name__)
@@ -389,27 +390,26 @@ class OnnxPackage:
 
     def _decode_batches(self, images: np.ndarray, max_length: int, batch_size: int,
                         progress: Callable[[int], None] | None, how: str) -> DecodeResult:
-        all_ids: list[list[int]] = []
-        calls: list[int] = []
+        all_ids: list[list[int]] = [[] for _ in range(images.shape[0])]
+        calls: list[int] = [0] * images.shape[0]
         enc_s = dec_s = 0.0
-        for start in range(0, images.shape[0], batch_size):
-            batch = images[start:start + batch_size]
+        for rows in reading_batches(images, batch_size, self.token_policy):
+            batch = images[rows]
             t0 = time.perf_counter()
             memory = self.encode(batch)
             t1 = time.perf_counter()
             if how == "speculative" and (batch.shape[0] == 1 or self.speculative_batches):
-                for row in range(batch.shape[0]):  # each image on its own: rows accept different drafts
+                for k, row in enumerate(rows):  # each image on its own: rows accept different drafts
                     before = self.spec_stats.calls
-                    all_ids.append(self._speculative(memory[row:row + 1], max_length))
-                    calls.append(self.spec_stats.calls - before)
+                    all_ids[row] = self._speculative(memory[k:k + 1], max_length)
+                    calls[row] = self.spec_stats.calls - before
             elif how == "verify_greedy":
                 stats = SpeculativeStats()
-                all_ids.append(self._speculative(memory, max_length, drafted=False, stats=stats))
-                calls.append(stats.calls)
+                all_ids[rows[0]] = self._speculative(memory, max_length, drafted=False, stats=stats)
+                calls[rows[0]] = stats.calls
             else:
-                read = self._greedy(memory, max_length)
-                all_ids += read
-                calls += [len(ids) for ids in read]
+                for row, ids in zip(rows, self._greedy(memory, max_length)):
+                    all_ids[row], calls[row] = ids, len(ids)
             dec_s += time.perf_counter() - t1
             enc_s += t1 - t0
             if progress is not None:

@@ -90,14 +90,20 @@ def fake_quantize(model: nn.Module, linear: set[str], calib: torch.Tensor, encod
     with torch.no_grad():
         for i in range(0, len(calib), batch_size):
             encode(calib[i:i + batch_size])
+    unread = set()
     for n, q in quantizers:
-        if n.endswith("input_quantizer"):
-            q.load_calib_amax("percentile", percentile=percentile)
-        else:
-            q.load_calib_amax()
+        try:
+            if n.endswith("input_quantizer"):
+                q.load_calib_amax("percentile", percentile=percentile)
+            else:
+                q.load_calib_amax()
+        except RuntimeError:  # a module the encoder's reading never reached (a ViT's pooler, when a token
+            q.disable()       # policy reads through the layers): not in the graphs either, it stays float
+            unread.add(n.rsplit(".", 1)[0])
+            continue
         q.enable_quant()
         q.disable_calib()
-    return sorted(linear)
+    return sorted(linear - unread)
 
 
 def finetuned_copy(adapter, calib: torch.Tensor, images: torch.Tensor, steps: int, lr: float = 2e-5,

@@ -137,6 +137,27 @@ def _first(ranks: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k]).astype(np.int64)
 
 
+def reading_batches(images, batch: int, policy: "TokenPolicy | None" = None) -> list[list[int]]:
+    """Index batches of at most ``batch`` of ``images`` (preprocessed, or anything with a length without a
+    policy) for a reading. With a token policy each batch holds one bucket: every image reads the tokens it
+    keeps alone, whatever else came with it, so a reading does not depend on its batch (a batch topped up
+    to its largest bucket read the shift split 4 points worse). Batches follow each other as their first
+    image came; without a policy, consecutive."""
+    if policy is None:
+        return [list(range(s, min(s + batch, len(images)))) for s in range(0, len(images), batch)]
+    return grouped_batches([policy.count(policy.ranks(im)) for im in images], batch)
+
+
+def grouped_batches(keys: Sequence, batch: int) -> list[list[int]]:
+    """Indices ``0..len(keys)-1`` cut into batches of at most ``batch`` that each hold one key, in the
+    order of their first index (all keys equal: plain consecutive batches)."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    runs = [m[j:j + batch] for m in groups.values() for j in range(0, len(m), batch)]
+    return sorted(runs, key=lambda run: run[0])
+
+
 def _lattice(h: int, w: int, stride: int) -> np.ndarray:
     """Every ``stride``-th row and column, centred (offset stride // 2): [h, w] bool."""
     mask = np.zeros((h, w), dtype=bool)
