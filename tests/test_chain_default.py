@@ -83,7 +83,7 @@ def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_t
     models = [f"prune.model={tiny}", f"calibrate.model={tiny}", f"benchmark.model={tiny}"]
     cfg = compose_cfg(["stage=all", f"artifacts.dir={root}", "progress=false", *models, *SIZES])
     chain = _chain_settings()
-    assert chain["prune.key_pool_layers"] and chain["quantize.qat_steps"]  # the chain this test is about
+    assert chain["prune.tokens"]["enabled"] and chain["quantize.qat_steps"]  # the chain this test is about
     done = run_stages(cfg, StageContext(cfg))
 
     assert {"prune", "tokenizer", "calibrate", "quantize", "export", "benchmark"} <= set(done)
@@ -95,8 +95,9 @@ def test_stage_all_with_the_default_chain_ends_with_the_deployable_package_and_t
     assert spec["identical_verify_greedy"] == 1.0  # the loop writes greedy's tokens on the verify graph, exactly
     for target in chain["export.targets"]:
         assert (root / f"export-{target}" / "manifest.json").is_file(), target
-    pooled = json.loads((root / "prune" / "model" / "config.json").read_text())
-    assert pooled["encoder_key_pools"][0] == chain["prune.key_pool"]  # layer 0's keys pooled
+    pruned = json.loads((root / "prune" / "model" / "config.json").read_text())
+    assert pruned["token_policy"]["frame_stride"] == 4 and meta["token_policy"] == pruned["token_policy"]
+    assert meta["io"]["encoder"]["inputs"] == ["images", "keep"]  # the deployable reads the kept tokens
     summary = (root / "summary.md").read_text()
     assert "deployable" in summary and "float-original" in summary
     for key, folder in (("export.chain_baseline", "export-ort_cpu-float-chain"),

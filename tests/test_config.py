@@ -49,10 +49,13 @@ def test_defaults_compose_and_stage_group_selects_stage():
     assert compose_cfg(["stage=benchmark"]).benchmark.speculative_limit is None
     # ... after a quantization-aware finetune of the encoder (off in the stage alone)
     assert chain.qat_steps > 0 and compose_cfg(["stage=quantize"]).quantize.qat_steps == 0
-    # ... on the pruned model with layer 0's keys pooled in 2x2 windows (off in the stage alone)
+    # ... on the pruned model reading only the tokens its policy keeps, a floor of 384, trained on finer
+    # buckets, skipped (one line) for a model that cannot; its keys unpooled (all off in the stage alone)
     pruning = compose_cfg(["stage=all"]).prune
-    assert list(pruning.key_pool_layers) == [0] and list(pruning.key_pool) == [2, 2]
-    assert compose_cfg(["stage=prune"]).prune.key_pool_layers == []
+    assert pruning.tokens.enabled and pruning.tokens.skip_unsupported and list(pruning.key_pool_layers) == []
+    assert list(pruning.tokens.buckets) == [384, 1024] and list(pruning.tokens.train_buckets) == [128, 256, 384, 1024]
+    alone = compose_cfg(["stage=prune"]).prune
+    assert not alone.tokens.enabled and not alone.tokens.skip_unsupported and alone.key_pool_layers == []
     typed = OmegaConf.to_object(compose_cfg(["eval.limit=7"]))  # an override arrives typed, in its section
     assert typed.eval.limit == 7 and typed.eval.model == "original"
 

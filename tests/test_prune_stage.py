@@ -143,7 +143,7 @@ def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder
 
 def test_an_adapter_that_cannot_pool_keys_is_one_error_line_saying_how_to_turn_it_off(tmp_path, tiny_folder,
                                                                                       monkeypatch):
-    """stage=all pools layer 0's keys: a model whose adapter cannot (the base adapter's default) stops
+    """prune.key_pool_layers on a model whose adapter cannot pool keys (the base adapter's default) stops
     before any work with the option that runs it without pooling."""
     from pipeline.adapters.base import ModelAdapter
 

@@ -70,6 +70,22 @@ def test_training_batches_hold_one_bucket_each_so_a_row_reads_what_it_keeps_alon
     assert out[:2] == [6, 0] and out == POLICY.batches_by_bucket(images, order, 2)  # as the order came; same again
 
 
+def test_a_reading_batches_images_of_one_bucket_so_each_reads_what_it_keeps_alone():
+    from pipeline.tokens.policy import grouped_batches, reading_batches
+
+    blank = np.ones((1, 128, 512), np.float32)
+    formula = _formula_image(r"\sum_{i=1}^{n} i^{2} = \frac{n(n+1)(2n+1)}{6}")
+    noise = np.random.default_rng(0).random((1, 128, 512), dtype=np.float32)
+    images = np.stack([noise, blank, formula, blank, noise, blank])
+    runs = reading_batches(images, 2, POLICY)
+    assert sorted(i for run in runs for i in run) == list(range(6)) and all(len(run) <= 2 for run in runs)
+    assert [run[0] for run in runs] == sorted(run[0] for run in runs)  # in the order images came
+    for run in runs:
+        assert POLICY.keep_batch(images[run]).shape[1] == POLICY.keep(images[run[0]]).size  # nothing topped up
+    assert reading_batches(images, 4) == [[0, 1, 2, 3], [4, 5]]  # no policy: consecutive
+    assert grouped_batches(["a", "b", "a", "a", "b"], 2) == [[0, 2], [1, 4], [3]]
+
+
 def test_indices_that_do_not_fit_are_one_error_and_settings_are_checked():
     with pytest.raises(PipelineError, match="outside the image's 1024 patches"):
         POLICY.check(np.array([[0, 1024]]), 1)
@@ -134,7 +150,10 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
         want = loaded.generate(torch.from_numpy(images), max_length=8, batch_size=3, use_cache=True).token_ids
     package.tokens_kept.clear()
     assert package.generate(images, 8, batch_size=3).token_ids == want
-    assert package.tokens_kept == {keep.shape[1]: 3}
+    own = [package.token_policy.keep(im).size for im in images]  # a batch holds one bucket: no top-up
+    assert package.tokens_kept == {k: own.count(k) for k in set(own)}
+    alone = [package.generate(im[None], 8, batch_size=1).token_ids[0] for im in images]
+    assert alone == want  # a reading does not depend on what else its batch held
     with pytest.raises(PipelineError, match="outside the image"):
         package.encode(images[:1], np.array([[0, 10**6]]))
     from pipeline.benchmarking.rows import tokens_kept
@@ -370,6 +389,31 @@ def test_an_hf_model_whose_channels_are_normalized_apart_is_refused_in_one_line(
     adapter._spec = {**adapter._spec, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.2, 0.2]}
     with pytest.raises(PipelineError, match="normalizes each channel differently"):
         adapter.set_token_policy({})
+
+
+def test_the_chain_runs_a_model_that_cannot_read_a_subset_without_a_policy_in_one_line(tmp_path, caplog):
+    """prune.tokens.skip_unsupported (stage=all): such a model is pruned reading every token, one warning
+    says why; the stage alone (false) refuses it in one line; a model that can keeps its policy."""
+    from dataclasses import replace
+
+    from tiny_model import tiny_hf_model as tiny_model
+
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter
+    from pipeline.stages import prune
+
+    adapter = HfVisionEncoderDecoderAdapter.load(str(tiny_model(tmp_path / "m", "vit", "trocr")))
+    chain = prune.PruneConfig(tokens=prune.TokensConfig(enabled=True, skip_unsupported=True))
+    assert prune._tokens_if_readable(chain, adapter) is chain  # a ViT reads its kept patches
+    adapter._spec = {**adapter._spec, "image_mean": [0.4, 0.5, 0.6], "image_std": [0.2, 0.2, 0.2]}
+    with caplog.at_level("WARNING"):
+        skipped = prune._tokens_if_readable(chain, adapter)
+    assert not skipped.tokens.enabled and not prune._changes(skipped, adapter, 0, {})
+    assert [r.message for r in caplog.records if "no token policy" in r.message] == [
+        f"[prune] no token policy: {adapter.token_policy_refusal()}; every token is read "
+        f"(prune.tokens.skip_unsupported)"]
+    alone = replace(chain, tokens=replace(chain.tokens, skip_unsupported=False))
+    with pytest.raises(PipelineError, match="prune.tokens: .*normalizes each channel differently"):
+        prune._changes(prune._tokens_if_readable(alone, adapter), adapter, 0, {})
 
 
 def test_the_policy_comparison_script_reads_policies_over_the_packages_own():

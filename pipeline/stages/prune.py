@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -51,6 +51,9 @@ class TokensConfig:
     # the buckets the recovery's finetune batches hold (each batch one bucket; None: `buckets`). Trained on
     # smaller buckets than it reads with, a model read better (docs/results/2026-12-07-token-policies.md)
     train_buckets: Optional[List[int]] = None
+    # true: a model whose encoder cannot read a subset of its tokens runs without a policy, said in one
+    # line (stage=all, where the policy is on); false: that is an error
+    skip_unsupported: bool = False
 
     def policy(self, training: bool = False) -> Optional[dict]:
         """The policy's settings (pipeline/tokens/policy.py), or None when off; ``training``: the
@@ -203,10 +206,10 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     head_counts = original.encoder_head_counts()
     n_remove, per_head = _heads_to_remove(cfg, original, head_counts)
     pools = _key_pools(cfg, original, len(head_counts))
+    cfg = _tokens_if_readable(cfg, original)
     changed = _changes(cfg, original, n_remove, pools)
     name = ctx.artifact_name("prune", cfg.name)
-    corpus = sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])
-    inputs = {"model": ctx.model_hash(cfg.model), "corpus": corpus}
+    inputs = {"model": ctx.model_hash(cfg.model), "corpus": sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])}
     config = _artifact_config(cfg, ctx, name, n_remove)
     all_scores = steps.head_scores(cfg, ctx, original, attns, inputs)
     phases.lap("head scores")
@@ -296,12 +299,23 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
         config.pop("tokens")
     else:  # the finetune's batches hold one bucket each (they were topped up to their largest before)
         config["tokens"]["batches"] = "one bucket"
+        config["tokens"].pop("skip_unsupported")  # what happens to a model that cannot: not this artifact
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
                         ("check_before_recovery", True)):
         if config[key] == before:  # the finetune as it was before these options: same keys
             config.pop(key)
     return config
+
+
+def _tokens_if_readable(cfg: PruneConfig, adapter) -> PruneConfig:
+    """``cfg`` without its token policy when the model cannot read a subset of its tokens and
+    ``prune.tokens.skip_unsupported`` lets it run without (one line says why); else ``cfg``."""
+    if not (cfg.tokens.enabled and cfg.tokens.skip_unsupported and adapter.token_grid() is None):
+        return cfg
+    log.warning(f"[prune] no token policy: {adapter.token_policy_refusal()}; every token is read "
+                f"(prune.tokens.skip_unsupported)")
+    return replace(cfg, tokens=replace(cfg.tokens, enabled=False))
 
 
 def _changes(cfg: PruneConfig, adapter, n_remove: int, pools: dict) -> bool:
@@ -332,7 +346,7 @@ def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
             adapter.clone().pool_encoder_keys(pools)
         except NotImplementedError as exc:
             raise PipelineError(f"prune.key_pool_layers={list(cfg.key_pool_layers)}: {exc}; "
-                                f"'prune.key_pool_layers=[]' prunes without pooling (stage=all pools layer 0)") from None
+                                f"'prune.key_pool_layers=[]' prunes without pooling") from None
         except ValueError as exc:
             raise PipelineError(f"prune.key_pool={list(cfg.key_pool)}: {exc}") from None
     return pools
