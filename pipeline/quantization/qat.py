@@ -97,8 +97,12 @@ def fake_quantize(model: nn.Module, linear: set[str], calib: torch.Tensor, encod
                 q.load_calib_amax("percentile", percentile=percentile)
             else:
                 q.load_calib_amax()
-        except RuntimeError:  # a module the encoder's reading never reached (a ViT's pooler, when a token
-            q.disable()       # policy reads through the layers): not in the graphs either, it stays float
+        except RuntimeError as exc:
+            if "hasn't seen any tensor" not in str(exc):
+                raise
+            # a module the encoder's reading never reached (a ViT's pooler when a token policy reads
+            # through the layers): it is not in the graphs either, and stays float
+            q.disable()
             unread.add(n.rsplit(".", 1)[0])
             continue
         q.enable_quant()
