@@ -254,6 +254,14 @@ class ModelAdapter(abc.ABC):
         """Images [B, C, H, W] and kept patch indices [B, K] -> memory [B, K, D] (families with a token grid)."""
         raise NotImplementedError(self.token_policy_refusal())
 
+    def kept_memory(self, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """An encoder's memory over every token [B, S + patches, D] at the tokens this model's policy keeps,
+        laid out as :meth:`encode_kept` lays them: the S special tokens first (a ViT's class token, DeiT's
+        two; the default family none), always kept, then the patches ``keep`` [B, K] -> [B, S + K, D]."""
+        specials = memory.shape[1] - self.token_policy.num_patches
+        index = torch.cat([torch.arange(specials, device=keep.device).expand(keep.shape[0], -1), keep + specials], 1)
+        return torch.gather(memory, 1, index[:, :, None].expand(-1, -1, memory.shape[-1]))
+
     def keep_indices(self, images: torch.Tensor) -> torch.Tensor:
         """[B, K] kept patch indices of ``images`` under the model's token policy (host-side numpy)."""
         keep = self.token_policy.keep_batch(images.detach().float().cpu().numpy())

@@ -356,15 +356,6 @@ FINETUNE_TARGETS = ("labels", "teacher")
 FINETUNE_PRECISIONS = ("fp32", "bf16")
 
 
-def kept_memory(memory: torch.Tensor, keep: torch.Tensor, patches: int) -> torch.Tensor:
-    """An encoder's memory over every token [B, S + patches, D] at the tokens a policy keeps: its S special
-    tokens first (a ViT's class token, DeiT's two; the default family none), always kept, then the kept
-    patches ``keep`` [B, K] -> [B, S + K, D], as ``encode_kept`` lays them out."""
-    specials = memory.shape[1] - patches
-    index = torch.cat([torch.arange(specials, device=keep.device).expand(keep.shape[0], -1), keep + specials], 1)
-    return torch.gather(memory, 1, index[:, :, None].expand(-1, -1, memory.shape[-1]))
-
-
 class TeacherCache:
     """The teacher's encoder output and logits of each image, computed the first time a batch holds
     it and reused after: every image comes back ``steps * batch / len(images)`` times, and the
@@ -467,7 +458,7 @@ def _finetune(student, teacher, images, latex, steps, minutes, lr, batch_size, l
             t_mem, t_logits = cache.batch(idx, images, inp, mask.sum(1).tolist())
             keep = student.keep_indices(x) if student.token_policy is not None else None
             if keep is not None and teacher.token_policy is None:  # the teacher read them all: its memory at
-                t_mem = kept_memory(t_mem, keep, student.token_policy.num_patches)  # the kept ones
+                t_mem = student.kept_memory(t_mem, keep)  # the kept ones
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 mem = student.encode(x) if keep is None else student.encode_kept(x, keep)
                 logits = student.decode_logits(inp, mem)

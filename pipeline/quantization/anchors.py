@@ -78,7 +78,8 @@ MODELOPT = "ModelOpt ONNX INT8"
 
 def _feeds(images, policy) -> dict:
     """An encoder's feeds for a batch of ``images``: with a token policy, its ``keep`` indices too."""
-    return {"images": images, **({"keep": policy.keep_batch(images)} if policy is not None else {})}
+    extra = token_feeds(policy)
+    return {"images": images, **(extra(images) if extra is not None else {})}
 
 
 def _nncf(encoder: Path, workdir: Path, calib_set, calib_images: int, tokens: int, hidden: int,

@@ -110,8 +110,13 @@ def _joined(parts: Sequence[Reading], truths: Sequence[str]) -> Reading:
 
 
 def encoder_outputs(package: OnnxPackage, encoder: Path, images: np.ndarray, batch_size: int = 8) -> np.ndarray:
+    """``encoder``'s memory of ``images`` in batches; with a token policy every image at one count (the
+    set's largest, each row topped up with its own patches), so the batches' memories stack."""
     package.use_graph(ENCODER, encoder)
-    return np.concatenate([package.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+    policy = package.token_policy
+    keep = policy.keep_batch(images) if policy is not None else None
+    return np.concatenate([package.encode(images[i:i + batch_size], None if keep is None else keep[i:i + batch_size])
+                           for i in range(0, len(images), batch_size)])
 
 
 def latency(packages: dict[str, tuple[OnnxPackage, Path | None]], images: np.ndarray, max_length: int,

@@ -110,16 +110,13 @@ class TokenPolicy:
         batch then reads each image with the tokens it keeps alone (batch 1's reading), not topped up to
         the batch's largest bucket. A bucket's last short batch is filled with its own first images;
         batches follow each other as their first image came in ``order`` (seeded order in, same out)."""
-        bucket = {i: self.count(self.ranks(images[i])) for i in order}
-        batches = []
-        for b in self.buckets:
-            members = [i for i in order if bucket[i] == b]
-            if not members:
-                continue
-            members += [members[j % len(members)] for j in range((-len(members)) % batch)]
-            batches += [members[j:j + batch] for j in range(0, len(members), batch)]
-        position = {i: n for n, i in enumerate(order)}
-        return [i for run in sorted(batches, key=lambda run: position[run[0]]) for i in run]
+        keys = [self.count(self.ranks(images[i])) for i in order]
+        members = {key: [i for i, k in zip(order, keys) if k == key] for key in set(keys)}
+        out = []
+        for run in grouped_batches(keys, batch):
+            own = members[keys[run[0]]]
+            out += [order[j] for j in run] + [own[j % len(own)] for j in range(batch - len(run))]
+        return out
 
     def check(self, keep: np.ndarray, batch: int) -> None:
         """One error line for indices that do not fit this policy's image (or the batch)."""
