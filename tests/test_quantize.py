@@ -485,6 +485,36 @@ def test_attention_fusion_with_pooled_keys_keeps_the_encoder_output():
     assert plain["encoder_blocks.1.attn.scores"].macs == 4 * 32 * 8 * 32
 
 
+def test_attention_fusion_on_a_policy_encoder_leaves_no_unfused_attention_behind():
+    """With a token policy the token count is dynamic, and the head merge reads its shape off the
+    attention's context: the fusion reads it off the query's split instead, so no Softmax (the unfused
+    attention, computed a second time for its shape) is left, and the encoder still reads as torch."""
+    import torch
+
+    from pipeline.export.onnx_graphs import export_graphs
+    from pipeline.export.transforms import simplify
+    from pipeline.export.fusion import fuse_attention
+
+    adapter = build_tiny()
+    h, w, _ = adapter.token_grid()
+    adapter.set_token_policy({"buckets": [8, 16, h * w], "frame_stride": 2})
+    encoder = simplify(export_graphs(adapter, 17)["encoder"], "encoder")
+    assert any(n.op_type == "Shape" for n in encoder.graph.node)  # the token count is not folded away
+    fused = onnx.ModelProto.FromString(encoder.SerializeToString())
+    assert fuse_attention(fused) == 2
+    onnx.checker.check_model(fused)
+    assert not any(n.op_type in ("Softmax", "MatMul") and "attn" in n.name and "proj" not in n.name
+                   for n in fused.graph.node), [n.op_type for n in fused.graph.node]
+    x = np.random.default_rng(1).random((2, 1, 32, 64)).astype(np.float32)
+    for k in (8, 16):
+        keep = np.sort(np.random.default_rng(k).permutation(h * w)[:k].reshape(1, k).repeat(2, 0), axis=1)
+        with torch.no_grad():
+            ref = adapter.encode_kept(torch.from_numpy(x), torch.from_numpy(keep)).numpy()
+        got = ort.InferenceSession(fused.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"images": x, "keep": keep})[0]
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
 def test_sensitivity_ranks_the_ruinous_group_first():
     from calibration.sensitivity import SNR, measure, ranking
 

@@ -68,10 +68,25 @@ def _heads(g: _Graph, reshape: onnx.NodeProto) -> Optional[int]:
         tail = g.const(concat.input[-1])
         if tail is not None and tail.size == 2:
             return int(tail[0])
+        parts = [g.const(i) for i in concat.input[2:]]  # [B, N, H, d] concatenated from four parts
+        if len(concat.input) == 4 and all(p is not None and p.size == 1 for p in parts):
+            return int(parts[0].reshape(-1)[0])
     return None
 
 
 _MERGE_SHAPE = "MultiHeadAttention/merge_heads_shape"
+_HEADS_FIRST = "MultiHeadAttention/heads_first"
+
+
+def _shape_of_context(shape: onnx.NodeProto, split_q: str) -> list[onnx.NodeProto]:
+    """Nodes computing what ``shape`` (Shape of an attention's context [B, H, N, d]) computed, from the
+    query's head split [B, N, H, d]: its shape with the middle axes swapped. A Shape that slices
+    (opset 15's start / end) is left as it is."""
+    if shape.attribute:
+        return [shape]
+    whole = f"{shape.name}/of_query"
+    return [helper.make_node("Shape", [split_q], [whole], name=whole),
+            helper.make_node("Gather", [whole, _HEADS_FIRST], [shape.output[0]], name=f"{whole}/heads_first", axis=0)]
 
 
 def fuse_attention(model: onnx.ModelProto) -> int:
@@ -79,6 +94,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
     returns how many were fused. Blocks with a mask (the decoder's) are left as they are."""
     g = _Graph(model)
     fused: dict[int, onnx.NodeProto] = {}  # id(output Transpose) -> MHA node taking its place
+    retarget: dict[int, list[onnx.NodeProto]] = {}  # id(Shape of a context) -> the nodes taking its place
     merges: list[onnx.NodeProto] = []  # Reshapes [B, N, H, d] -> [B, N, H·d] some inputs need
     for sm in [n for n in model.graph.node if n.op_type == "Softmax"]:
         scale_node = g.producer.get(sm.input[0])
@@ -125,13 +141,20 @@ def fuse_attention(model: onnx.ModelProto) -> int:
                 if i == out_t.output[0]:
                     user.input[k] = mha.output[0]
         fused[id(out_t)] = mha
+        for shape in [c for c in g.consumers.get(av.output[0], []) if c.op_type == "Shape"]:
+            # a dynamic token count: the head merge's target shape is read off the context [B, H, N, d];
+            # read it off the query's split [B, N, H, d] instead, or the unfused attention stays alive for it
+            retarget[id(shape)] = _shape_of_context(shape, rq.output[0])
     if not fused:
         return 0
     by_mha = {m.output[0]: [r for r in merges if r.output[0] in m.input] for m in fused.values()}
     nodes = [x for n in model.graph.node
-             for x in ([*by_mha[fused[id(n)].output[0]], fused[id(n)]] if id(n) in fused else [n])]
+             for x in ([*by_mha[fused[id(n)].output[0]], fused[id(n)]] if id(n) in fused
+                       else retarget.get(id(n), [n]))]
     if merges:
         model.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], dtype=np.int64), _MERGE_SHAPE))
+    if retarget:
+        model.graph.initializer.append(numpy_helper.from_array(np.array([0, 2, 1, 3], dtype=np.int64), _HEADS_FIRST))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     remove_dead_nodes(model)
