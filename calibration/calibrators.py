@@ -23,8 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnxruntime.quantization.calibrate import (CalibrationDataReader, CalibrationMethod, TensorsData,
-                                                create_calibrator)
+from onnxruntime.quantization.calibrate import (CalibrationDataReader, CalibrationMethod, HistogramCalibrater,
+                                                HistogramCollector, TensorsData, create_calibrator)
 
 from pipeline.errors import PipelineError
 
@@ -183,7 +183,22 @@ def compute_ranges(onnx_path: str | Path, reader: CalibrationDataReader, method_
         return TensorsData(chosen.ort_method, data)
 
 
+class _RaggedHistogram(HistogramCollector):
+    """ORT's histogram collector, for batches whose tensors differ in shape (an encoder reading only the
+    tokens a policy keeps: a batch of 320 tokens, the next of 384). ORT stacks a tensor's batches before it
+    flattens them, which only equal shapes allow; this flattens each batch and joins them, the same values
+    in the same order, so where the shapes are equal the histograms are ORT's own."""
+
+    def collect(self, name_to_arr):
+        return super().collect({name: np.concatenate([np.asarray(a).reshape(-1) for a in arrs])
+                                if isinstance(arrs, list) else arrs for name, arrs in name_to_arr.items()})
+
+
 def _collect(calibrator, reader: CalibrationDataReader) -> TensorsData:
+    if isinstance(calibrator, HistogramCalibrater) and calibrator.collector is None:
+        calibrator.collector = _RaggedHistogram(calibrator.method, calibrator.symmetric, calibrator.num_bins,
+                                                calibrator.num_quantized_bins, calibrator.percentile,
+                                                calibrator.scenario)
     try:
         calibrator.collect_data(reader)
         return calibrator.compute_data()

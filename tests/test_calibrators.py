@@ -128,3 +128,37 @@ def test_histogram_methods_in_passes_give_the_one_pass_ranges(calib_set_dir, tin
         assert sorted(split) == sorted(one) == ["out", "pixel_values", "scaled", "shifted"]
         for tensor in one:
             np.testing.assert_array_equal(np.asarray(split[tensor].range_value), np.asarray(one[tensor].range_value))
+
+
+class _Feeds(calibrators.CalibrationDataReader):
+    def __init__(self, feeds):
+        self.feeds = iter(feeds)
+
+    def get_next(self):
+        return next(self.feeds, None)
+
+
+def test_batches_of_different_token_counts_calibrate_as_their_values_in_one_batch(tmp_path):
+    """A policy encoder's calibration batches keep different token counts (320 tokens, then 384): every
+    method calibrates over them, and its ranges are those of the same values read as one batch."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inp = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "tokens", 16])
+    out = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", "tokens", 16])
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["scaled"]),
+                               helper.make_node("Relu", ["scaled"], ["out"])], "ragged", [inp], [out],
+                              initializer=[helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "ragged.onnx"))
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(1, 8, 16)).astype(np.float32), 3 * rng.normal(size=(1, 5, 16)).astype(np.float32)
+    for name in calibrators.METHODS:
+        ragged = calibrators.compute_ranges(tmp_path / "ragged.onnx", _Feeds([{"x": a}, {"x": b}]), name)
+        if "ema" in name:  # a moving average of per-batch ranges: not the one batch's range
+            continue
+        joined = calibrators.compute_ranges(tmp_path / "ragged.onnx", _Feeds([{"x": np.concatenate([a, b], 1)}]), name)
+        for tensor in ("x", "scaled", "out"):
+            np.testing.assert_allclose(np.asarray(ragged[tensor].range_value), np.asarray(joined[tensor].range_value),
+                                       rtol=1e-6, err_msg=f"{name} {tensor}")
