@@ -69,8 +69,8 @@ def _heads(g: _Graph, reshape: onnx.NodeProto) -> Optional[int]:
         if tail is not None and tail.size == 2:
             return int(tail[0])
         parts = [g.const(i) for i in concat.input[2:]]  # [B, N, H, d] concatenated from four parts
-        if len(concat.input) == 4 and all(p is not None and p.size == 1 for p in parts):
-            return int(parts[0].reshape(-1)[0])
+        if len(concat.input) == 4 and all(p is not None and p.size == 1 and int(p.reshape(-1)[0]) > 0 for p in parts):
+            return int(parts[0].reshape(-1)[0])  # (not a head count left to infer: -1)
     return None
 
 
