@@ -21,7 +21,7 @@ from pipeline.errors import PipelineError
 from pipeline.names import (DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER, PACKAGE_META, PREPROCESS,
                             REQUIRED_GRAPHS, TOKENIZER)
 from pipeline.preprocessing import preprocess
-from pipeline.tokens.policy import reading_batches
+from pipeline.tokens.policy import grouped_batches, reading_batches
 from pipeline.schema import load_json
 
 log = logging.getLogger(__name__)
@@ -393,10 +393,14 @@ class OnnxPackage:
         all_ids: list[list[int]] = [[] for _ in range(images.shape[0])]
         calls: list[int] = [0] * images.shape[0]
         enc_s = dec_s = 0.0
-        for rows in reading_batches(images, batch_size, self.token_policy):
+        # with a token policy each image's kept indices once: they give its bucket (batches of one bucket,
+        # as reading_batches cuts them) and the encoder's keep input
+        keeps = None if self.token_policy is None else [self.token_policy.keep(im) for im in images]
+        runs = reading_batches(images, batch_size) if keeps is None else grouped_batches([k.size for k in keeps], batch_size)
+        for rows in runs:
             batch = images[rows]
             t0 = time.perf_counter()
-            memory = self.encode(batch)
+            memory = self.encode(batch, None if keeps is None else np.stack([keeps[r] for r in rows]))
             t1 = time.perf_counter()
             if how == "speculative" and (batch.shape[0] == 1 or self.speculative_batches):
                 for k, row in enumerate(rows):  # each image on its own: rows accept different drafts
