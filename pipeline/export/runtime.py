@@ -400,7 +400,7 @@ class OnnxPackage:
         for rows in runs:
             batch = images[rows]
             t0 = time.perf_counter()
-            memory = self.encode(batch, None if keeps is None else np.stack([keeps[r] for r in rows]))
+            memory = self.encode(batch) if keeps is None else self.encode(batch, np.stack([keeps[r] for r in rows]))
             t1 = time.perf_counter()
             if how == "speculative" and (batch.shape[0] == 1 or self.speculative_batches):
                 for k, row in enumerate(rows):  # each image on its own: rows accept different drafts
