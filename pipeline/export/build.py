@@ -159,12 +159,16 @@ def load_final_graph(path: Path, exported: onnx.ModelProto, graph: str) -> onnx.
 
 
 def decoder_shapes(adapter) -> dict[str, int]:
-    """Layers, heads, head size, hidden size and memory length, read off one encoder + cache run."""
+    """Layers, heads, head size, hidden size and memory length (of an image keeping every patch), read off
+    one encoder + cache run."""
     cached = adapter.cached_decoder()
     if cached is None:
         raise PipelineError(f"model family {adapter.family!r} has no KV-cached decoder to export")
     with torch.no_grad():
-        memory = adapter.encode(torch.zeros(1, *adapter.input_shape))
+        image = torch.zeros(1, *adapter.input_shape)
+        policy = adapter.token_policy
+        memory = adapter.encode(image) if policy is None else \
+            adapter.encode_kept(image, torch.arange(policy.num_patches)[None])
         k = cached.eval().cross_kv(memory)[0]  # [1, H, N, d]
     return {"num_layers": int(cached.num_layers), "num_heads": int(k.shape[1]), "head_dim": int(k.shape[3]),
             "hidden_size": int(memory.shape[-1]), "memory_length": int(memory.shape[1])}

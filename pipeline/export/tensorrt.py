@@ -11,6 +11,7 @@ from typing import Any
 
 from pipeline.errors import PipelineError
 from pipeline.names import DECODER_FIRST, DECODER_STEP, DECODER_VERIFY, ENCODER
+from pipeline.tokens.policy import TokenPolicy
 
 log = logging.getLogger(__name__)
 
@@ -22,14 +23,17 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
     request), decoded length 1..max_length (opt ``opt_len``), memory length fixed by the image;
     ``decoder_verify`` at batch 1, 1..``meta['verify_width']`` tokens (package.json holds it wherever the
     graph is; opt: the widest call). With a token policy the memory is as long as the tokens an image keeps:
-    its smallest bucket .. its largest (opt: the second, a typical formula)."""
+    its smallest bucket .. its largest (opt: the second, a typical formula), and a ViT's class token(s)."""
     c, h, w = meta["input_shape"]
     heads, head_dim, mem_len = meta["num_heads"], meta["head_dim"], meta["memory_length"]
     max_len = int(meta["max_length"])
     d = meta["hidden_size"]
     opt_len = max(1, min(opt_len, max_len - 1))
-    buckets = list((meta.get("token_policy") or {}).get("buckets") or [mem_len])
-    mem = (buckets[0], buckets[min(1, len(buckets) - 1)], buckets[-1])  # min, opt, max memory length
+    spec = meta.get("token_policy")
+    buckets = list(spec["buckets"]) if spec else [mem_len]
+    kept = (buckets[0], buckets[min(1, len(buckets) - 1)], buckets[-1])  # the encoder's keep: min, opt, max
+    specials = mem_len - TokenPolicy.from_dict(spec).num_patches if spec else 0  # a ViT's class token(s)
+    mem = tuple(specials + k for k in kept)
 
     def kv(length_min: int, length_opt: int, length_max: int):
         return ((1, heads, length_min, head_dim), (1, heads, length_opt, head_dim), (max_batch, heads, length_max, head_dim))
@@ -37,7 +41,7 @@ def profiles(meta: dict, max_batch: int, opt_len: int) -> dict[str, dict[str, tu
     io = meta["io"]
     out: dict[str, dict[str, tuple[Shape, Shape, Shape]]] = {
         ENCODER: {"images": ((1, c, h, w), (1, c, h, w), (max_batch, c, h, w)),
-                  **({"keep": ((1, mem[0]), (1, mem[1]), (max_batch, mem[2]))} if "keep" in io.get(ENCODER, {}).get("inputs", [])
+                  **({"keep": ((1, kept[0]), (1, kept[1]), (max_batch, kept[2]))} if "keep" in io.get(ENCODER, {}).get("inputs", [])
                      else {})},
         DECODER_FIRST: {"input_ids": ((1, 1), (1, 1), (max_batch, max_len)),
                         "memory": ((1, mem[0], d), (1, mem[1], d), (max_batch, mem[2], d))},
