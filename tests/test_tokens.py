@@ -98,6 +98,35 @@ def test_indices_that_do_not_fit_are_one_error_and_settings_are_checked():
     assert for_grid(4, 4, 8, {"buckets": [8, 4096]}).buckets == (8, 16)  # cut to the image's patches
 
 
+def test_a_narrowing_policy_keeps_by_rank_and_lets_the_filler_skip_the_later_layers():
+    narrow = for_grid(16, 64, 8, {"narrow_from": 2, "narrow_by": 128, "buckets": [256, 384, 1024]})
+    image = _formula_image(r"\frac{a}{b}+x^{2}")
+    keep, ranks = narrow.keep(image), narrow.ranks(image)
+    wanted = int((ranks <= FRAME).sum())
+    assert keep.size == narrow.count(ranks) == min(b for b in (256, 384, 1024) if b - 128 >= wanted)
+    assert set(keep.tolist()) <= set(range(1024)) and len(set(keep.tolist())) == keep.size
+    assert (np.diff(ranks[keep]) >= 0).all() and ranks[keep[0]] == INK  # by rank: ink first
+    assert (ranks[keep[:narrow.narrowed(keep.size)]] <= FRAME).sum() == wanted  # all of them go on
+    assert narrow.keep_batch(image[None])[0].tolist() == keep.tolist()
+    for bad, message in [({"narrow_from": 2}, "both 0"), ({"narrow_from": 2, "narrow_by": 128, "buckets": [128]},
+                                                            "below the smallest bucket 128")]:
+        with pytest.raises(PipelineError, match=message):
+            for_grid(16, 64, 8, bad)
+    adapter = build_tiny()
+    with pytest.raises(PipelineError, match="narrow_from=9, but the encoder has"):
+        adapter.set_token_policy({"buckets": [8, 16], "narrow_from": 9, "narrow_by": 4})
+    adapter.set_token_policy({"buckets": [8, 16], "narrow_from": 1, "narrow_by": 4})
+    images, keep = torch.rand(2, *adapter.input_shape), torch.arange(16)[None].repeat(2, 1)
+    seen = []
+    adapter.model.encoder_blocks[1].register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    with torch.no_grad():  # layer 1 reads the first 12; the last 4 skip it and join the memory as they were
+        memory = adapter.encode_kept(images, keep)
+        pe = adapter.model.patch_embed  # keep: the first 16 patches, in order
+        layer0 = adapter.model.encoder_blocks[0](pe.norm(pe.proj(images).flatten(2).transpose(1, 2) + pe.pos_emb)[:, :16])
+    assert seen == [12] and memory.shape[1] == 16
+    assert torch.allclose(memory[:, 12:], adapter.model.encoder_norm(layer0[:, 12:]), atol=1e-5)
+
+
 def test_the_encoder_on_every_token_kept_equals_the_full_encoder():
     adapter = build_tiny()
     images = torch.rand(2, *adapter.input_shape)
@@ -110,7 +139,8 @@ def test_the_encoder_on_every_token_kept_equals_the_full_encoder():
         assert adapter.encode_kept(images, some).shape[1] == some.shape[1]
 
 
-def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_reads_as_torch(tmp_path):
+@pytest.mark.parametrize("narrowing", [{}, {"narrow_from": 1, "narrow_by": 4}], ids=["plain", "narrowed"])
+def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_reads_as_torch(tmp_path, narrowing):
     from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
     from pipeline.data.render import render_formula
     from pipeline.export.runtime import OnnxPackage
@@ -118,7 +148,7 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
 
     adapter = build_tiny()
     adapter.set_token_policy({"buckets": [8, 16, 32, adapter.token_grid()[0] * adapter.token_grid()[1]],
-                              "frame_stride": 2})
+                              "frame_stride": 2, **narrowing})
     adapter.save(tmp_path / "tiny-tokens")
     loaded = LatexOcrJuniaAdapter.load(str(tmp_path / "tiny-tokens"))
     assert loaded.token_policy == adapter.token_policy
@@ -135,6 +165,7 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
 
     shapes = profiles(json.loads((tmp_path / "export-tensorrt" / "package.json").read_text()), 4, 8)
     assert shapes["encoder"]["keep"] == ((1, 8), (1, 16), (4, adapter.token_policy.buckets[-1]))
+    assert [shape[1] for shape in shapes["decoder_first"]["memory"]] == [8, 16, adapter.token_policy.buckets[-1]]
     folder = tmp_path / "export-ort_cpu"
     meta = json.loads((folder / "package.json").read_text())
     assert meta["token_policy"] == adapter.token_policy.to_dict()
@@ -146,6 +177,10 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
         ref = loaded.encode_kept(torch.from_numpy(images), torch.from_numpy(keep)).numpy()
     got = package.encode(images)
     assert got.shape == ref.shape and np.abs(got - ref).max() < 1e-4
+    every = np.argsort(-np.arange(adapter.token_policy.num_patches))[None].repeat(3, 0)  # another count, order
+    with torch.no_grad():  # (a narrowing's split is computed from the count in the graph, not traced in)
+        ref = loaded.encode_kept(torch.from_numpy(images), torch.from_numpy(every)).numpy()
+    assert np.abs(package.encode(images, every) - ref).max() < 1e-4
     with torch.no_grad():
         want = loaded.generate(torch.from_numpy(images), max_length=8, batch_size=3, use_cache=True).token_ids
     package.tokens_kept.clear()
@@ -378,6 +413,11 @@ def test_an_hf_encoder_reads_its_special_tokens_and_the_kept_patches(tmp_path, e
         assert adapter.encode(blank).shape[1] == specials + 4
     adapter.save(tmp_path / "saved")
     assert HfVisionEncoderDecoderAdapter.load(str(tmp_path / "saved")).token_policy == adapter.token_policy
+    adapter.set_token_policy({"buckets": [4, 8, rows * cols], "narrow_from": 1, "narrow_by": 3})
+    seen = []
+    adapter.model.encoder.layers[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    with torch.no_grad():  # the class token(s) and the first kept patches read layer 1; the memory holds all
+        assert adapter.encode_kept(images, every[:, :8]).shape[1] == specials + 8 and seen == [specials + 5]
 
 
 def test_an_hf_model_whose_channels_are_normalized_apart_is_refused_in_one_line(tmp_path):

@@ -244,7 +244,12 @@ class ModelAdapter(abc.ABC):
             raise PipelineError(self.token_policy_refusal())
         settings = dict(settings)  # ink_below: a grey level (0..1), on the scale the encoder's inputs have
         settings["ink_below"] = self.preprocessed_level(float(settings.get("ink_below", INK_BELOW)))
-        self.token_policy = for_grid(*grid, settings)
+        policy = for_grid(*grid, settings)
+        layers = len(self.encoder_head_counts())
+        if policy.narrow_from >= layers:
+            raise PipelineError(f"token policy: narrow_from={policy.narrow_from}, but the encoder has {layers} layers "
+                                f"(0 .. {layers - 1}; 0: no narrowing)")
+        self.token_policy = policy
 
     def preprocessed_level(self, level: float) -> float:
         """A grey level (0 black .. 1 white) on the preprocessed images' scale (the default: the same)."""
@@ -253,6 +258,23 @@ class ModelAdapter(abc.ABC):
     def encode_kept(self, images: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Images [B, C, H, W] and kept patch indices [B, K] -> memory [B, K, D] (families with a token grid)."""
         raise NotImplementedError(self.token_policy_refusal())
+
+    def encoder_layers(self, x: torch.Tensor, layers: Sequence[torch.nn.Module], specials: int = 0,
+                       call: Callable = lambda layer, x: layer(x)) -> torch.Tensor:
+        """Hidden states [B, S + K, D] through the encoder's ``layers``. From the policy's ``narrow_from`` on only
+        the S special tokens and the first ``narrowed(K)`` kept patches (by rank: ink, neighbours, frame) go
+        through the layers; the last ``narrow_by`` (filler) skip them and join the memory as they were."""
+        policy = self.token_policy
+        start = policy.narrow_from if policy is not None and policy.narrow_from else len(layers)
+        for layer in layers[:start]:
+            x = call(layer, x)
+        if start == len(layers):
+            return x
+        k = specials + policy.narrowed(x.shape[1] - specials)
+        head, tail = x[:, :k], x[:, k:]
+        for layer in layers[start:]:
+            head = call(layer, head)
+        return torch.cat([head, tail], 1)
 
     def kept_memory(self, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """An encoder's memory over every token [B, S + patches, D] at the tokens this model's policy keeps,

@@ -416,8 +416,8 @@ class HfVisionEncoderDecoderAdapter(ModelAdapter):
         keep = keep.to(x.device)
         index = torch.cat([torch.arange(specials, device=x.device).expand(keep.shape[0], -1), keep + specials], 1)
         x = torch.gather(x, 1, index[:, :, None].expand(-1, -1, x.shape[-1]))
-        for layer in enc.layers:  # ViTModel.forward's loop (no attention mask: every token is real)
-            x = layer(x, None)
+        # ViTModel.forward's loop (no attention mask: every token is real)
+        x = self.encoder_layers(x, enc.layers, specials, lambda layer, h: layer(h, None))
         x = enc.layernorm(x)
         proj = getattr(self.model, "enc_to_dec_proj", None)
         return proj(x) if proj is not None else x

@@ -282,9 +282,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         keep = keep.to(x.device)
         x = torch.gather(x, 1, keep[:, :, None].expand(-1, -1, x.shape[-1]))
         x = pe.dropout(pe.norm(x))
-        for block in self.model.encoder_blocks:
-            x = block(x)
-        return self.model.encoder_norm(x)
+        return self.model.encoder_norm(self.encoder_layers(x, self.model.encoder_blocks))
 
     def token_grid(self) -> tuple[int, int, int] | None:
         if any(w != [1, 1] for w in self.encoder_key_pools()):  # pooled keys need the whole grid

@@ -54,6 +54,9 @@ class TokensConfig:
     # true: a model whose encoder cannot read a subset of its tokens runs without a policy, said in one
     # line (stage=all, where the policy is on); false: that is an error
     skip_unsupported: bool = False
+    # from this encoder layer on (0: never) the last narrow_by kept tokens (filler) skip the layers
+    narrow_from: int = 0
+    narrow_by: int = 0
 
     def policy(self, training: bool = False) -> Optional[dict]:
         """The policy's settings (pipeline/tokens/policy.py), or None when off; ``training``: the
@@ -62,7 +65,8 @@ class TokensConfig:
             return None
         buckets = self.train_buckets if training and self.train_buckets else self.buckets
         return {"dilate": int(self.dilate), "frame_stride": int(self.frame_stride),
-                "buckets": [int(b) for b in buckets], "ink_below": float(self.ink_below)}
+                "buckets": [int(b) for b in buckets], "ink_below": float(self.ink_below),
+                "narrow_from": int(self.narrow_from), "narrow_by": int(self.narrow_by)}
 
 
 @dataclass

@@ -39,6 +39,11 @@ class TokenPolicy:
     frame_stride: int = 4            # plus every frame_stride-th patch of rows and columns (0: none)
     buckets: tuple[int, ...] = field(default=(128, 256, 384, 1024))  # kept counts, padded up; smallest = floor
     kind: str = KIND
+    # from encoder layer ``narrow_from`` on (0: never) the last ``narrow_by`` kept tokens (by rank: filler) skip
+    # the layers and join the memory as they were; an image's bucket holds its ink, neighbours and frame
+    # without them
+    narrow_from: int = 0
+    narrow_by: int = 0
 
     def __post_init__(self) -> None:
         n = self.grid_h * self.grid_w
@@ -51,11 +56,21 @@ class TokenPolicy:
         b = list(self.buckets)
         if not b or b != sorted(set(b)) or b[0] < 1 or b[-1] > n:
             raise PipelineError(f"token policy: buckets {b} must rise strictly, within 1..{n} (the image's patches)")
+        if self.narrow_from < 0 or self.narrow_by < 0 or (self.narrow_from > 0) != (self.narrow_by > 0):
+            raise PipelineError(f"token policy: narrow_from={self.narrow_from}, narrow_by={self.narrow_by}: both "
+                                f"0 (no narrowing) or both >= 1")
+        if self.narrow_by >= b[0]:
+            raise PipelineError(f"token policy: narrow_by={self.narrow_by} must be below the smallest bucket {b[0]}")
         object.__setattr__(self, "buckets", tuple(int(x) for x in b))
 
     @property
     def num_patches(self) -> int:
         return self.grid_h * self.grid_w
+
+    def narrowed(self, kept):
+        """Tokens the layers from ``narrow_from`` on read of ``kept`` (arithmetic only: a traced token count
+        stays symbolic in an exported graph)."""
+        return kept - self.narrow_by
 
     def to_dict(self) -> dict:
         return {**asdict(self), "buckets": list(self.buckets)}
@@ -87,15 +102,16 @@ class TokenPolicy:
         return rank.reshape(-1)
 
     def count(self, ranks: np.ndarray) -> int:
-        """Tokens an image keeps: its ink, neighbours and frame, up to the next bucket (the smallest one at
-        least: the floor; the largest at most: the cap)."""
-        wanted = int((ranks <= FRAME).sum())
+        """Tokens an image keeps: its ink, neighbours and frame (besides the filler a narrowing lets skip), up to the
+        next bucket (the smallest one at least: the floor; the largest at most: the cap)."""
+        wanted = int((ranks <= FRAME).sum()) + self.narrow_by
         return next((b for b in self.buckets if b >= wanted), self.buckets[-1])
 
     def keep(self, image: np.ndarray) -> np.ndarray:
-        """The kept patch indices of one preprocessed image, ascending (int64)."""
+        """The kept patch indices of one preprocessed image (int64): ascending, or by rank (ink first) where
+        the policy narrows (the encoder's later layers read the first of them)."""
         ranks = self.ranks(image)
-        return _first(ranks, self.count(ranks))
+        return _first(ranks, self.count(ranks), self.narrow_from > 0)
 
     # ---- a batch ---------------------------------------------------------------------------------
     def keep_batch(self, images: np.ndarray) -> np.ndarray:
@@ -103,7 +119,7 @@ class TokenPolicy:
         keeps fewer is topped up with its own next-ranked real patches (no padding mask anywhere)."""
         ranks = [self.ranks(im) for im in images]
         k = max((self.count(r) for r in ranks), default=self.buckets[0])
-        return np.stack([_first(r, k) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
+        return np.stack([_first(r, k, self.narrow_from > 0) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
 
     def batches_by_bucket(self, images: np.ndarray, order: Sequence[int], batch: int) -> list[int]:
         """``order`` rearranged so that each run of ``batch`` indices holds images of one bucket: a training
@@ -129,9 +145,10 @@ class TokenPolicy:
                                 f"{self.num_patches} patches")
 
 
-def _first(ranks: np.ndarray, k: int) -> np.ndarray:
-    order = np.lexsort((np.arange(ranks.size), ranks))  # by rank, then index
-    return np.sort(order[:k]).astype(np.int64)
+def _first(ranks: np.ndarray, k: int, by_rank: bool = False) -> np.ndarray:
+    """The ``k`` best-ranked patches (by rank, then index), in that order or ascending."""
+    first = np.lexsort((np.arange(ranks.size), ranks))[:k]
+    return (first if by_rank else np.sort(first)).astype(np.int64)
 
 
 def reading_batches(images, batch: int, policy: "TokenPolicy | None" = None) -> list[list[int]]:
