@@ -46,3 +46,21 @@ def test_scripts_compose_the_context_the_cli_builds(tmp_path):
     ctx = StageContext.compose(tmp_path, ["stage=quantize", "model.max_length=64"])
     want = compose_cfg([f"artifacts.dir={tmp_path}", "progress=false", "stage=quantize", "model.max_length=64"])
     assert ctx.artifacts_dir == tmp_path and ctx.cfg.progress is False and ctx.cfg == want
+
+
+def test_paired_plot_draws_each_variants_splits_and_refuses_a_spec_without_a_file(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("paired_plot", REPO / "benchmarks" / "paired_plot.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    line = '{{"split": "{s}", "n": 10, "exact_match_change": {c}, "gained": 2, "lost": 1, "paired_se": 0.05}}'
+    files = []
+    for name, change in (("a", 0.1), ("b", -0.2)):
+        f = tmp_path / f"{name}.json"
+        f.write_text("noise before\n" + "\n".join(line.format(s=s, c=change) for s in ("eval", "shift")) + "\n")
+        files.append(f"{name}={f}")
+    out = tmp_path / "plot.png"
+    assert mod.main([*files, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "a: eval +10.0 (+2/-1, SE 5.0, n 10); shift +10.0" in printed and "b: eval -20.0" in printed
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mod.main([str(tmp_path / "a.json"), "--out", str(out)]) == 2
