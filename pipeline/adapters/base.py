@@ -265,7 +265,7 @@ class ModelAdapter(abc.ABC):
         the S special tokens and the first ``narrowed(K)`` kept patches (by rank: ink, neighbours, frame) go
         through the layers; the last ``narrow_by`` (filler) skip them and join the memory as they were."""
         policy = self.token_policy
-        start = policy.narrow_from if policy is not None and policy.narrow_from else len(layers)
+        start = policy.narrow_from if policy is not None and policy.narrows else len(layers)
         for layer in layers[:start]:
             x = call(layer, x)
         if start == len(layers):

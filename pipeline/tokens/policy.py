@@ -67,6 +67,10 @@ class TokenPolicy:
     def num_patches(self) -> int:
         return self.grid_h * self.grid_w
 
+    @property
+    def narrows(self) -> bool:
+        return self.narrow_from > 0
+
     def narrowed(self, kept):
         """Tokens the layers from ``narrow_from`` on read of ``kept`` (arithmetic only: a traced token count
         stays symbolic in an exported graph)."""
@@ -111,7 +115,7 @@ class TokenPolicy:
         """The kept patch indices of one preprocessed image (int64): ascending, or by rank (ink first) where
         the policy narrows (the encoder's later layers read the first of them)."""
         ranks = self.ranks(image)
-        return _first(ranks, self.count(ranks), self.narrow_from > 0)
+        return _first(ranks, self.count(ranks), self.narrows)
 
     # ---- a batch ---------------------------------------------------------------------------------
     def keep_batch(self, images: np.ndarray) -> np.ndarray:
@@ -119,7 +123,7 @@ class TokenPolicy:
         keeps fewer is topped up with its own next-ranked real patches (no padding mask anywhere)."""
         ranks = [self.ranks(im) for im in images]
         k = max((self.count(r) for r in ranks), default=self.buckets[0])
-        return np.stack([_first(r, k, self.narrow_from > 0) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
+        return np.stack([_first(r, k, self.narrows) for r in ranks]) if ranks else np.zeros((0, k), np.int64)
 
     def batches_by_bucket(self, images: np.ndarray, order: Sequence[int], batch: int) -> list[int]:
         """``order`` rearranged so that each run of ``batch`` indices holds images of one bucket: a training
