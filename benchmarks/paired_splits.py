@@ -6,6 +6,10 @@ exact-match difference; corpus CER of each, the relative CER change with a paire
 interval (formulas resampled together, seeded), and how much of the CER difference comes from
 readings that ran to the length cap. Writes the rows as JSON lines.
 
+``--pool``: the variants are runs of one recipe (seeds, say); a last row per split pairs their mean
+against the reference, formula by formula (each formula's change averaged over the runs), with its
+standard error: what the recipe does, apart from what one run's seed did.
+
     python benchmarks/paired_splits.py artifacts export-ort_cpu-float-original export-ort_cpu-float-chain \
         --splits eval shift
     python benchmarks/paired_splits.py artifacts export-float-chain export-p-all export-qat-all   # several variants
@@ -54,6 +58,19 @@ def compare(a: Reading, b: Reading, truths, cap: int, resamples: int = 2000, see
             "cer_difference_from_capped": float((b_edits[capped].sum() - a_edits[capped].sum()) / diff) if diff else 0.0}
 
 
+def pooled(a: Reading, runs: list[Reading]) -> dict:
+    """The runs' mean against A, formula by formula: each formula's exact-match change (-1, 0, +1)
+    averaged over the runs, then its mean over the formulas and that mean's standard error (tested)."""
+    ref = np.asarray(a.exact, float)
+    per_formula = np.mean([np.asarray(r.exact, float) - ref for r in runs], axis=0)
+    n = len(per_formula)
+    var = float(np.mean(per_formula ** 2) - np.mean(per_formula) ** 2) if n else 0.0
+    return {"n": n, "runs": len(runs), "exact_match_a": a.exact_match,
+            "exact_match_b": float(np.mean([r.exact_match for r in runs])),
+            "exact_match_change": float(per_formula.mean()) if n else 0.0,
+            "paired_se": float(np.sqrt(max(var, 0.0) / n)) if n else 0.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("artifacts", type=Path)
@@ -63,6 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8, help="images a call (1: a token policy's own buckets)")
     ap.add_argument("--out", type=Path, default=None, help="JSON lines (default <artifacts>/paired-splits.jsonl)")
+    ap.add_argument("--pool", action="store_true", help="the variants are runs of one recipe: one more row per "
+                    "split, their mean against the reference")
     args = ap.parse_args()
     ctx = StageContext.compose(args.artifacts.resolve())
     cap = ctx.limits.max_length
@@ -74,11 +93,15 @@ def main() -> None:
         images = np.stack([np.asarray(x, np.float32) for _, _, x in items])
         truths = [latex for _, latex, _ in items]
         ra = read(packages[0], None, images, truths, cap, args.batch)
+        runs = []
         for b, package in zip(args.b, packages[1:]):
-            row = {"split": split, "a": args.a, "b": b,
-                   **compare(ra, read(package, None, images, truths, cap, args.batch), truths, cap - 1)}
+            runs.append(read(package, None, images, truths, cap, args.batch))
+            row = {"split": split, "a": args.a, "b": b, **compare(ra, runs[-1], truths, cap - 1)}
             print(json.dumps(row), flush=True)
             rows.append(row)
+        if args.pool:
+            rows.append({"split": split, "a": args.a, "b": "pooled: " + " ".join(args.b), **pooled(ra, runs)})
+            print(json.dumps(rows[-1]), flush=True)
     with (args.out or args.artifacts / "paired-splits.jsonl").open("a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -38,6 +38,25 @@ def test_paired_exact_match_cer_interval_and_the_capped_share():
     assert same["paired_se"] == 0 and same["cer_change_ci95"] == [0.0, 0.0] and same["cer_difference_from_capped"] == 0
 
 
+def test_runs_of_one_recipe_pool_formula_by_formula():
+    """--pool: each formula's change averaged over the runs, then its mean and SE over the formulas."""
+    from pipeline.quantization.measure import Reading
+
+    def reading(exact):
+        return Reading([], [""] * len(exact), exact, 0.0, [])
+
+    ref = reading([True, True, False, False])
+    runs = [reading([True, False, True, False]), reading([True, True, True, True])]
+    r = _module().pooled(ref, runs)
+    per_formula = np.array([0.0, -0.5, 1.0, 0.5])  # formula 2: -1 and 0; formula 3: +1 twice; formula 4: 0 and +1
+    assert (r["n"], r["runs"]) == (4, 2)
+    assert r["exact_match_change"] == pytest.approx(per_formula.mean())
+    assert r["exact_match_b"] == pytest.approx(0.75) and r["exact_match_a"] == pytest.approx(0.5)
+    assert r["paired_se"] == pytest.approx(per_formula.std() / 2)
+    one = _module().pooled(ref, runs[:1])  # one run: the plain pair's numbers
+    assert one["paired_se"] == pytest.approx(runs[0].paired(ref)["loss_se"]) and one["exact_match_change"] == 0
+
+
 def test_scripts_compose_the_context_the_cli_builds(tmp_path):
     """StageContext.compose (benchmarks/ scripts): the CLI's config for an artifacts folder, no progress bars."""
     from conftest import compose_cfg
