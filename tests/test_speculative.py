@@ -407,3 +407,4 @@ def test_export_fails_a_package_whose_speculative_check_shows_a_broken_loop_or_a
     assert len(few) == 1 and "0.500 of 32 formulas < export.min_speculative_identical=0.8" in few[0]
     wide = verdict({**good, "max_tie_margin": 1.5}, 0.8, 0.25)
     assert len(wide) == 1 and "1.500 apart > export.speculative_tie_margin=0.25" in wide[0]
+    assert "export.drafter=none ships plain greedy" in wide[0]  # what a user does about it
