@@ -466,45 +466,6 @@ def test_finetune_resumes_after_a_kill_to_the_same_weights(tiny, tmp_path):
         assert torch.equal(a, b)
 
 
-def test_averaged_finetunes_leave_the_mean_of_runs_in_their_own_orders(tiny, tmp_path):
-    """prune.finetune_average=2: two finetunes from the same start (seeds s and s + 1000), the student
-    left with their element-wise mean; each run's log kept."""
-    import copy
-    from types import SimpleNamespace
-
-    from pipeline.pruning import recover, rounds
-
-    def fresh():
-        s = copy.copy(tiny)
-        s.model = copy.deepcopy(tiny.model)
-        s.remove_encoder_heads({0: [1]})
-        return s
-
-    x = torch.rand(6, *tiny.input_shape, generator=torch.Generator().manual_seed(7))
-    latex = ["x^2", "a+b", "\\alpha", "k^n", "p_0", "y"]
-    kwargs = dict(steps=3, minutes=10, lr=1e-2, batch_size=2, scope="encoder", label_weight=1.0, targets=None,
-                  precision="fp32")
-    runs = []
-    for seed in (5, 1005):
-        s = fresh()
-        recover.finetune(s, tiny, x, latex, seed=seed, **kwargs)
-        runs.append(recover.weights(s.model))
-    assert not all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])  # two orders, two models
-    cfg = SimpleNamespace(finetune_average=2, finetune_steps=3, iterations=1, finetune_minutes=10, lr=1e-2,
-                          finetune_batch=2, finetune_scope="encoder", finetune_label_weight=1.0,
-                          finetune_precision="fp32")
-    averaged = fresh()
-    logs = rounds._finetunes(averaged, tiny, cfg, 0, x, latex, None, 5, False, tmp_path, None)
-    assert [log["steps"] for log in logs] == [3, 3]
-    mean = recover.mean_weights(runs)
-    for k, v in recover.weights(averaged.model).items():
-        assert torch.allclose(v, mean[k], atol=1e-6), k
-        if v.is_floating_point():
-            assert torch.allclose(mean[k], (runs[0][k] + runs[1][k]) / 2, atol=1e-6), k
-    with pytest.raises(ValueError, match="cannot average 'n'"):
-        recover.mean_weights([{"n": torch.tensor([1])}, {"n": torch.tensor([2])}])
-
-
 def test_finetune_encoder_scope_trains_the_encoder_alone(tiny):
     import copy
 

@@ -112,18 +112,9 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     d = prune.PruneConfig()
     assert (d.finetune_targets, d.finetune_scope, d.finetune_steps > 0) == ("teacher", "encoder", True)
     # the finetune as it was before these options keeps its key
-    assert not {"finetune_targets", "finetune_scope", "finetune_varied", "finetune_label_weight",
-                "finetune_average"} & set(
+    assert not {"finetune_targets", "finetune_scope", "finetune_varied", "finetune_label_weight"} & set(
         _run(tmp_path / "d", tiny_folder, "prune.num_heads=2", "prune.compare_random=false",
              "prune.finetune_targets=labels", "prune.finetune_scope=model", "prune.finetune_varied=0")[1]["config"])
-    # two finetunes averaged: both runs logged, the option in the key, the decoder still the original's
-    ctx, averaged = _run(tmp_path / "e", tiny_folder, "prune.num_heads=2", "prune.compare_random=false",
-                         "prune.finetune_steps=2", "prune.finetune_average=2", "prune.lr=1e-2")
-    rounds = averaged["metrics"]["recovery"]["rounds"]
-    assert [r["steps"] for r in rounds[0]["finetune_runs"]] == [2, 2] and averaged["config"]["finetune_average"] == 2
-    assert "2 finetunes averaged" in (tmp_path / "e" / "prune" / "report.md").read_text()
-    for a, b in zip(original.decoder_parameters(), ctx.load_model("prune").decoder_parameters()):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -139,7 +130,6 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     ("prune.refit_varied=-1", "prune.refit_varied and prune.finetune_varied must be >= 0"),
     ("prune.finetune_varied=-2", "prune.refit_varied and prune.finetune_varied must be >= 0"),
     ("prune.finetune_label_weight=-1", "prune.finetune_label_weight must be >= 0"),
-    ("prune.finetune_average=0", "prune.finetune_average must be positive, got 0"),
     ("prune.key_pool_layers=[2]", r"prune.key_pool_layers=\[2\]: each an encoder layer in 0..1"),
     ("prune.key_pool_layers=[0,0]", "at most once"),
     ("prune.key_pool_layers=[0] prune.key_pool=[3,1]", "does not tile the 4x8 patch grid"),

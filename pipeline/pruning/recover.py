@@ -346,25 +346,6 @@ def _save_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, done: 
     os.replace(tmp, path)
 
 
-def weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A detached copy of ``model``'s state (a later step does not move it)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def mean_weights(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The element-wise mean of states of one architecture (floating tensors; the rest, e.g. integer
-    buffers, from the first, where they must agree)."""
-    out = {}
-    for k, v in states[0].items():
-        if v.is_floating_point():
-            out[k] = torch.stack([s[k].float() for s in states]).mean(0).to(v.dtype)
-        elif all(torch.equal(s[k], v) for s in states[1:]):
-            out[k] = v
-        else:
-            raise ValueError(f"cannot average {k!r}: a non-floating tensor that differs between the states")
-    return out
-
-
 FINETUNE_SCOPES = ("model", "encoder")
 # what the decoder is teacher-forced on: the labels, or the original's own greedy readings
 FINETUNE_TARGETS = ("labels", "teacher")

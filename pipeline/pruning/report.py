@@ -87,8 +87,6 @@ def write_report(folder: Path, cfg, m: dict, all_scores: dict, removed: dict, he
                     for l, d in e["refit"].items())
         + "".join(f"; distill L{l} {d['block_rel_error_before']:.2f}->{d['block_rel_error_after']:.2f} "
                   f"({d['steps']} steps)" for l, d in e.get("distill", {}).items())
-        + (f"; {len(e['finetune_runs'])} finetunes averaged (prune.finetune_average), the first"
-           if len(e.get("finetune_runs", [])) > 1 else "")
         + f"; finetune {e['finetune'].get('steps', 0)} step(s)"
         + (f" of {e['finetune_planned']}, stopped by prune.finetune_minutes"
            if e['finetune'].get('steps', 0) < e.get('finetune_planned', 0) else "")

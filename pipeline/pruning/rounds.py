@@ -82,40 +82,15 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
         student.set_token_policy(train_tokens)
         t0 = time.process_time()
         entry["finetune_planned"] = share(cfg.finetune_steps, r, cfg.iterations)
-        runs = _finetunes(student, original, cfg, r, tune_images, tune_latex, tune_ids, seed, progress, resume, device)
-        entry["finetune"] = runs[0]
-        if len(runs) > 1:
-            entry["finetune_runs"] = runs
+        entry["finetune"] = recover.finetune(
+            student, original, tune_images, tune_latex, steps=share(cfg.finetune_steps, r, cfg.iterations),
+            minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
+            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight, targets=tune_ids,
+            seed=seed + r, progress=progress, state_file=resume / f"finetune-round{r}.pt",
+            precision=cfg.finetune_precision, device=device)
         entry["finetune_cpu_seconds"] = time.process_time() - t0
         log["rounds"].append(entry)
     student.set_token_policy(tokens)  # also without a round (nothing pruned): it reads with the policy
     log["cpu_minutes"] = sum(e["refit_cpu_seconds"] + e["distill_cpu_seconds"] + e["finetune_cpu_seconds"]
                              for e in log["rounds"]) / 60
     return student
-
-
-def _finetunes(student, original, cfg, r: int, images, latex, targets, seed: int, progress: bool, resume: Path,
-               device) -> list[dict]:
-    """Round ``r``'s finetune, ``cfg.finetune_average`` times from the same start, each run in its own order
-    (``seed + r + 1000 k``), the student left with the runs' mean weights (a uniform model soup); each
-    run's log. A killed run resumes the run it stopped in; runs that had finished are redone (the same
-    weights: the order depends on the seed and the step only)."""
-    n = max(1, int(getattr(cfg, "finetune_average", 1)))
-    start = recover.weights(student.model) if n > 1 else None
-    logs, finished = [], []
-    for k in range(n):
-        if k:
-            student.model.load_state_dict(start)
-        logs.append(recover.finetune(
-            student, original, images, latex, steps=share(cfg.finetune_steps, r, cfg.iterations),
-            minutes=cfg.finetune_minutes / cfg.iterations, lr=cfg.lr, batch_size=cfg.finetune_batch,
-            scope=cfg.finetune_scope, label_weight=cfg.finetune_label_weight, targets=targets,
-            seed=seed + r + 1000 * k, progress=progress,
-            state_file=resume / (f"finetune-round{r}.pt" if k == 0 else f"finetune-round{r}-run{k}.pt"),
-            precision=cfg.finetune_precision, device=device))
-        if n > 1:
-            finished.append(recover.weights(student.model))
-    if n > 1:
-        student.model.load_state_dict(recover.mean_weights(finished))
-    return logs
-

@@ -112,10 +112,6 @@ class PruneConfig:
     finetune_minutes: float = 60.0   # wall-clock bound on those steps (~20 minutes on 2 cores); the report
                                      # says when it stopped them; a killed run resumes where it stopped
     finetune_batch: int = 4
-    # this many finetunes from the same refit, each in its own order (seed + 1000 k), their weights
-    # averaged (a uniform model soup): one run's reading of out-of-source formulas moved with its seed
-    # (docs/tokens.md); each run costs the finetune's steps again
-    finetune_average: int = 1
     finetune_images: int = 128       # train formulas the finetune cycles over ...
     finetune_varied: int = 256       # ... plus this many random formulas of the varied grammar
     # which weights the finetune trains: model | encoder
@@ -170,8 +166,8 @@ def validate(cfg: PruneConfig) -> None:
     if cfg.min_heads_per_layer < 1:
         raise PipelineError(f"prune.min_heads_per_layer must be at least 1 (a layer without heads is not "
                             f"attention any more), got {cfg.min_heads_per_layer}")
-    for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "finetune_images",
-                "finetune_average", "iterations", "latency_images"):
+    for key in ("score_images", "refit_images", "distill_images", "finetune_batch", "finetune_images", "iterations",
+                "latency_images"):
         if getattr(cfg, key) < (0 if key == "latency_images" else 1):
             raise PipelineError(f"prune.{key} must be positive, got {getattr(cfg, key)}")
     if cfg.refit_varied < 0 or cfg.finetune_varied < 0:
@@ -310,7 +306,7 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
         config["tokens"].pop("skip_unsupported")  # what happens to a model that cannot: not this artifact
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
-                        ("check_before_recovery", True), ("finetune_average", 1)):
+                        ("check_before_recovery", True)):
         if config[key] == before:  # the finetune as it was before these options: same keys
             config.pop(key)
     return config
