@@ -197,6 +197,37 @@ def test_a_reading_that_leaves_greedy_at_a_confident_token_is_told_from_a_near_t
     assert tie_margin(package, image, greedy, greedy[:2]) > 0.0
 
 
+def test_verify_deviation_reads_a_float_verify_graph_as_its_step_and_a_stale_cache_as_whole_logits(ort_pkg):
+    """benchmarks/verify_deviation.py: the float package's verify graph keeps the step's top-2 gaps; fed a
+    cache one position short (a stale key), it moves them by whole logits, far beyond
+    export.speculative_tie_margin's 1.0."""
+    import importlib.util
+
+    from conftest import REPO
+    from pipeline.data.render import render_formula
+    from pipeline.export.runtime import OnnxPackage
+    from pipeline.stages.export import ExportConfig
+
+    spec = importlib.util.spec_from_file_location("verify_deviation", REPO / "benchmarks" / "verify_deviation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    package = OnnxPackage(ort_pkg, threads=1)
+    images = [package.preprocess(render_formula(f)).astype(np.float32) for f in FORMULAS[:2]]
+    sound = [c for image in images for c in mod.gap_changes(package, image, MAX_LENGTH)]
+    assert sum(len(ids) for ids in package.generate(np.stack(images), MAX_LENGTH, batch_size=1).token_ids) \
+        == len(sound) > 0
+    assert max(sound) < 1e-3
+    verify = package.verify
+
+    def stale(ids, past, cross):
+        logits, present = verify(ids, [p[:, :, :-1] if p.shape[2] > 1 else p for p in past], cross)
+        return logits, [np.concatenate([p[:, :, :1], p], 2) for p in present]
+
+    package.verify = stale
+    broken = [c for image in images for c in mod.gap_changes(package, image, MAX_LENGTH)]
+    assert max(broken) > 2 * ExportConfig().speculative_tie_margin
+
+
 def test_same_config_reuses_the_package(ort_pkg):
     before = (ort_pkg / "manifest.json").read_text()
     run_export("target=ort_cpu")
