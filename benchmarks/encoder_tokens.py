@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.files import package_path  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+from pipeline.files import package_folders  # noqa: E402
 from pipeline.tokens.policy import stats  # noqa: E402
 
 
@@ -30,9 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    folders = [package_path(p, args.artifacts) for p in args.packages]
-    if None in folders:
-        print(f"error: no package at {args.packages[folders.index(None)]} under {args.artifacts}", file=sys.stderr)
+    try:
+        folders = package_folders(args.packages, args.artifacts)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     packages = [OnnxPackage(f, threads=1) for f in folders]
     ctx = StageContext.compose(args.artifacts)

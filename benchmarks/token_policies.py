@@ -29,7 +29,8 @@ from paired_splits import compare  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.files import package_path  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+from pipeline.files import package_folders  # noqa: E402
 from pipeline.quantization.measure import read  # noqa: E402
 from pipeline.tokens.policy import TokenPolicy, stats  # noqa: E402
 
@@ -95,9 +96,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timing-n", type=int, default=32)
     ap.add_argument("--out", type=Path, required=True, help="path stem: <out>.jsonl, <out>.md, <out>.png")
     args = ap.parse_args(argv)
-    folders = [package_path(p, args.artifacts) for p in (args.reference, args.package)]
-    if None in folders:
-        print(f"error: no package at {(args.reference, args.package)[folders.index(None)]}", file=sys.stderr)
+    try:
+        folders = package_folders([args.reference, args.package], args.artifacts)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     ref, pkg = (OnnxPackage(f, threads=1) for f in folders)
     if pkg.token_policy is None:
