@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
-from pipeline.files import package_folders  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.files import find_package  # noqa: E402
 from pipeline.tokens.policy import stats  # noqa: E402
 
 
@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     try:
-        folders = package_folders(args.packages, args.artifacts)
-    except InputError as exc:
+        folders = [find_package(p, args.artifacts, "packages") for p in args.packages]
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     packages = [OnnxPackage(f, threads=1) for f in folders]

@@ -29,8 +29,8 @@ from paired_splits import compare  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
-from pipeline.files import package_folders  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.files import find_package  # noqa: E402
 from pipeline.quantization.measure import read  # noqa: E402
 from pipeline.tokens.policy import TokenPolicy, stats  # noqa: E402
 
@@ -97,8 +97,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="path stem: <out>.jsonl, <out>.md, <out>.png")
     args = ap.parse_args(argv)
     try:
-        folders = package_folders([args.reference, args.package], args.artifacts)
-    except InputError as exc:
+        folders = [find_package(args.reference, args.artifacts, "reference"),
+                   find_package(args.package, args.artifacts, "package")]
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ref, pkg = (OnnxPackage(f, threads=1) for f in folders)

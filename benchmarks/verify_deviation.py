@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.context import StageContext  # noqa: E402
 from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.errors import InputError  # noqa: E402
-from pipeline.files import package_folders  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
+from pipeline.files import find_package  # noqa: E402
 
 
 def gap_changes(package: OnnxPackage, image: np.ndarray, max_length: int) -> list[float]:
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     try:
-        folders = package_folders(args.packages, args.artifacts)
-    except InputError as exc:
+        folders = [find_package(p, args.artifacts, "packages") for p in args.packages]
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ctx = StageContext.compose(args.artifacts)

@@ -204,14 +204,6 @@ def package_path(ref: str, artifacts_dir: Path) -> Optional[Path]:
     return None
 
 
-def package_folders(refs: list[str], artifacts_dir: Path) -> list[Path]:
-    """:func:`package_path` of each of ``refs``; an InputError names the first that is no package."""
-    folders = [package_path(r, artifacts_dir) for r in refs]
-    if None in folders:
-        raise InputError(f"no package at {refs[folders.index(None)]} under {artifacts_dir}")
-    return folders
-
-
 def find_package(ref: Optional[str], artifacts_dir: Path, key: str) -> Path:
     """:func:`package_path`, or one error line naming ``key``."""
     if not ref:
