@@ -41,3 +41,19 @@ def ort_package() -> Path:
     """The real model exported once per session for ORT CPU (shared with test_infer.py)."""
     run_export("target=ort_cpu")
     return artifacts_root() / "export-ort_cpu"
+
+
+def session_ops(graph) -> list[str]:
+    """The op types ONNX Runtime's CPU session runs for ``graph`` (a ModelProto or a path), after its own
+    fusions."""
+    import onnx
+    import onnxruntime as ort
+
+    from pipeline.export.runtime import session_options
+
+    source = str(graph) if isinstance(graph, (str, Path)) else graph.SerializeToString()
+    with tempfile.TemporaryDirectory() as tmp:
+        so = session_options(threads=1)
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+        return [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]

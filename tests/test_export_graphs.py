@@ -302,3 +302,43 @@ def test_tensorrt_builder_calls_up_to_the_build(tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match="decoder_step.onnx: TensorRT cannot parse it: Unsupported op Foo"):
         trt_build.build_engine(tmp_path / "decoder_step.onnx", tmp_path / "x.plan", profile, True,
                                tmp_path / "timing.cache", tmp_path / "build.log")
+
+
+def test_residual_sum_keeps_the_last_add_out_of_skip_layernorm():
+    """A block's residual Add read only by a LayerNorm becomes Sum, so the session cannot fuse the two into
+    SkipLayerNormalization; a residual also read by the next block, and a bias Add, stay Add; the output
+    is the same."""
+    import onnxruntime as ort
+
+    from export_session import session_ops
+    from pipeline.export.transforms import residual_adds_as_sum
+
+    d = 8
+    nodes = [helper.make_node("Add", ["x", "bias"], ["xb"], name="bias_add"),            # a constant input
+             helper.make_node("Add", ["xb", "r"], ["h"], name="residual_1"),             # also read by residual_2
+             helper.make_node("LayerNormalization", ["h", "g", "b"], ["n1"], name="ln1", axis=-1),
+             helper.make_node("Add", ["h", "n1"], ["h2"], name="residual_2"),            # read by the last LN only
+             helper.make_node("LayerNormalization", ["h2", "g", "b"], ["y"], name="ln2", axis=-1)]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 5, d]) for n in ("x", "r")]
+    inits = [_f32("bias", np.linspace(-1, 1, d)), _f32("g", np.linspace(0.5, 1.5, d)), _f32("b", [0.1] * d)]
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs,
+                                                [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    assert "SkipLayerNormalization" in session_ops(model)  # what the rewrite prevents
+    feed = {n: np.random.default_rng(i).normal(size=(1, 5, d)).astype(np.float32) for i, n in enumerate(("x", "r"))}
+    before = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+
+    assert residual_adds_as_sum(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Add", "Add", "LayerNormalization", "Sum", "LayerNormalization"]
+    assert "SkipLayerNormalization" not in session_ops(model)
+    after = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(after, before, atol=1e-5)
+    assert residual_adds_as_sum(model) == 0  # nothing left to rewrite
+
+
+def test_only_ort_cpu_writes_residual_sums():
+    from pipeline.export.targets import target_config
+
+    assert resolve_target(target_config("ort_cpu")).residual_sum
+    assert not resolve_target(target_config("tensorrt")).residual_sum
+    assert not resolve_target(target_config("metax")).residual_sum

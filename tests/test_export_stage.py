@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package, run_export
+from export_session import FORMULAS, MAX_LENGTH, artifacts_root, ort_package, run_export, session_ops
 from pipeline.errors import PipelineError
 
 pytestmark = pytest.mark.slow  # every test here exports or decodes with the real model
@@ -37,6 +37,8 @@ def test_ort_cpu_package_is_complete_and_matches_torch(ort_pkg):
     # session (the offline-fused SkipLayerNormalization ran 4x slower on ORT's CPU kernel)
     assert "LayerNormalization" in ops and "MultiHeadAttention" in ops and "Gelu" in ops
     assert "SkipLayerNormalization" not in ops and "ReduceMean" not in ops
+    # the last block's residual is a Sum: the session does not fuse it into SkipLayerNormalization either
+    assert "Sum" in ops and "SkipLayerNormalization" not in session_ops(ort_pkg / "encoder.onnx")
     report = (ort_pkg / "report.md").read_text()
     assert "com.microsoft.MultiHeadAttention" in report and "| op | exported | simplified | fused |" in report
     manifest = json.loads((ort_pkg / "manifest.json").read_text())

@@ -6,6 +6,8 @@
 3. simplify  onnxsim (``transforms.simplify``)
 4. fuse      ORT's transformer fusions, then the attention they leave (``fusion.py``)
 5. fp16      FP16 weights and compute, on targets that want them
+   sum       residual Adds read by a LayerNorm as Sum, on targets that want them (ort_cpu: the
+             session's SkipLayerNormalization is slower than both ops; every graph, final ones too)
 6. clamp     the IR version down to the target's maximum
 7. check     ``onnx.checker``
 8. validate  the target's rules (``validator.validate``): violations are returned, not raised
@@ -71,6 +73,8 @@ def build_graphs(adapter, target: Target, simplify: bool, qdq_encoder: Optional[
             if target.fp16_weights and g not in final:  # 5. fp16
                 m = transforms.to_fp16(m)
                 hist[g]["fp16"] = op_histogram(m)
+            if target.residual_sum and transforms.residual_adds_as_sum(m):  # 5b. sum
+                hist[g]["residual sum"] = op_histogram(m)
             transforms.clamp_ir_version(m, target.rules.max_ir_version)  # 6. clamp
             transforms.check(m, g)  # 7. check
             out[g] = m

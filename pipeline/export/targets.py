@@ -23,6 +23,9 @@ class TargetConfig:
     allow_contrib_ops: bool = True    # com.microsoft ops (ORT fusions)
     fp16_weights: bool = False
     fuse: bool = True                 # ORT transformer optimizer fusions
+    # residual Adds read by a LayerNorm written as Sum: ORT's session cannot fuse them into
+    # SkipLayerNormalization, whose CPU kernel is slower than both ops (pipeline/export/transforms.py)
+    residual_sum: bool = False
     # what the runtime's INT8 and FP16 kernels need, checked by the export validator (pipeline/export/validator.py)
     symmetric_int8: bool = False      # INT8 zero points 0 (TensorRT, Metax)
     per_channel_weights: bool = False   # weight scales per output channel (Metax)
@@ -64,6 +67,7 @@ class Target:
     speculative_batches: bool   # a batch's rows decoded speculatively one by one (true) or in greedy steps
     required_provider_options: tuple[str, ...] = ()
     triton_instance_kind: Optional[str] = None  # KIND_CPU | KIND_GPU: a Triton repository in the package
+    residual_sum: bool = False  # residual Add + LayerNorm kept out of ORT's SkipLayerNormalization fusion
 
 
 def resolve_target(tcfg: Any) -> Target:
@@ -101,7 +105,7 @@ def resolve_target(tcfg: Any) -> Target:
     return Target(name, opset, bool(tcfg.fuse), bool(tcfg.fp16_weights), str(tcfg.provider), options, rules,
                   float(tcfg.draft_min_confidence), int(tcfg.draft_tail), bool(tcfg.speculative_batches),
                   tuple(str(k) for k in tcfg.required_provider_options or ()),
-                  None if kind is None else str(kind))
+                  None if kind is None else str(kind), bool(tcfg.residual_sum))
 
 
 def target_configs(names, chosen) -> dict[str, Any]:
