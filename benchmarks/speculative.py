@@ -124,7 +124,7 @@ def timed(package: OnnxPackage, images: np.ndarray, drafter, draft_len: int, max
     rotating order ``repeats`` times over ``images`` (batch 1, the package's threads). Also the calls a formula."""
     guard = package.layout_guard(package._vocab()) if package.layout_run_cap else None
     memories = [package.encode(images[i:i + 1]) for i in range(images.shape[0])]
-    readings = [package._greedy(m, max_length)[0] for m in memories]
+    readings = [package.greedy_from_memory(m, max_length)[0] for m in memories]
     shown: list[list[int]] = [[]]
 
     def perfect(ids, k, at_least=0):
@@ -132,7 +132,7 @@ def timed(package: OnnxPackage, images: np.ndarray, drafter, draft_len: int, max
 
     def decode(how: str, memory: np.ndarray, reading: list[int], stats: SpeculativeStats) -> None:
         if how == "greedy":  # a call a token written
-            stats.calls += len(package._greedy(memory, max_length)[0])
+            stats.calls += len(package.greedy_from_memory(memory, max_length)[0])
             return
         shown[0] = reading
         propose = perfect if how == "perfect" else drafter.propose

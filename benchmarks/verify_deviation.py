@@ -27,7 +27,7 @@ def gap_changes(package: OnnxPackage, image: np.ndarray, max_length: int) -> lis
     """At each position of the package's greedy reading of ``image``: |(step gap) - (verify gap)| of the
     step logits' two best tokens, the verify graph fed the reading in calls of ``verify_width`` tokens."""
     memory = package.encode(image[None])
-    ids = package._greedy(memory, max_length)[0]
+    ids = package.greedy_from_memory(memory, max_length)[0]
     logits, past, cross = package.first(np.full((1, 1), package.bos, np.int64), memory)
     step, kv = [], past
     for t in ids:

@@ -147,7 +147,7 @@ def test_rows_that_finish_early_leave_the_guard_with_their_text(looping, monkeyp
             return _row_rule(cross[0][:, 0, 0].astype(int), eos, amp, x, vocab), past
 
     package = Scripted(type("Tok", (), {"decode": staticmethod(model.decode_text)})())
-    ids = package._greedy(memory.numpy(), 12)
+    ids = package.greedy_from_memory(memory.numpy(), 12)
     assert [model.decode_text(i) for i in ids] == want
 
 

@@ -412,7 +412,7 @@ class OnnxPackage:
                 all_ids[rows[0]] = self._speculative(memory, max_length, drafted=False, stats=stats)
                 calls[rows[0]] = stats.calls
             else:
-                for row, ids in zip(rows, self._greedy(memory, max_length)):
+                for row, ids in zip(rows, self.greedy_from_memory(memory, max_length)):
                     all_ids[row], calls[row] = ids, len(ids)
             dec_s += time.perf_counter() - t1
             enc_s += t1 - t0
@@ -445,9 +445,11 @@ class OnnxPackage:
                                   self.bos, self.eos, self.banned, max_length, self.draft_len if drafted else 0,
                                   guard, stats, self.free_drafts if drafted else 0)
 
-    def _greedy(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
+    def greedy_from_memory(self, memory: np.ndarray, max_length: int) -> list[list[int]]:
         """Plain greedy decoding of a batch (:func:`pipeline.decoding.cached_greedy`) on this package's
-        sessions: ``decoder_first`` after BOS, then ``decoder_step`` with the KV cache."""
+        sessions: ``decoder_first`` after BOS, then ``decoder_step`` with the KV cache, from an encoder
+        ``memory`` already computed (:meth:`encode`): a benchmark that reads one image's memory several ways
+        encodes it once."""
         guard = self.layout_guard(self._vocab()) if self.layout_run_cap else None
         return cached_greedy(lambda ids: self.first(ids, memory), self.step, memory.shape[0], self.bos, self.eos,
                              self.banned, max_length, guard)
