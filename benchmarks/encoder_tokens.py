@@ -6,7 +6,6 @@ formulas of a split.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -15,32 +14,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.benchmarking.scripts import find_packages, rendered, split_packages_parser  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
-from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.errors import PipelineError  # noqa: E402
-from pipeline.files import find_package  # noqa: E402
 from pipeline.tokens.policy import stats  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("artifacts", type=Path)
-    ap.add_argument("packages", nargs="+", help="package folders (under artifacts, or paths)")
-    ap.add_argument("--split", default="eval")
-    ap.add_argument("--n", type=int, default=64)
+    ap = split_packages_parser(__doc__.splitlines()[0], n=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    try:
-        folders = [find_package(p, args.artifacts, "packages") for p in args.packages]
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    folders = find_packages(args)
+    if folders is None:
         return 2
     packages = [OnnxPackage(f, threads=1) for f in folders]
     ctx = StageContext.compose(args.artifacts)
-    formulas = ctx.split(args.split)[:args.n]
-    images = np.stack([x for _, _, x in render_inputs([(f.id, f.latex) for f in formulas], packages[0].preprocess,
-                                                        None, False, "render")]).astype(np.float32)
+    images = np.stack(rendered(ctx.split(args.split)[:args.n], packages[0].preprocess))
     ms = {i: [] for i in range(len(packages))}
     for _ in range(args.rounds):
         for image in images:

@@ -8,7 +8,6 @@ reading can leave greedy's where the step put its two best tokens closer than th
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,11 +15,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.benchmarking.scripts import find_packages, rendered, split_packages_parser  # noqa: E402
 from pipeline.context import StageContext  # noqa: E402
-from pipeline.data.render import render_inputs  # noqa: E402
 from pipeline.export.runtime import OnnxPackage  # noqa: E402
-from pipeline.errors import PipelineError  # noqa: E402
-from pipeline.files import find_package  # noqa: E402
 
 
 def gap_changes(package: OnnxPackage, image: np.ndarray, max_length: int) -> list[float]:
@@ -47,26 +44,19 @@ def gap_changes(package: OnnxPackage, image: np.ndarray, max_length: int) -> lis
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("artifacts", type=Path)
-    ap.add_argument("packages", nargs="+", help="package folders with a decoder_verify graph (under artifacts, or paths)")
-    ap.add_argument("--split", default="eval")
-    ap.add_argument("--n", type=int, default=32)
+    ap = split_packages_parser(__doc__.splitlines()[0], n=32, packages_help="package folders with a "
+                               "decoder_verify graph (under artifacts, or paths)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
-    try:
-        folders = [find_package(p, args.artifacts, "packages") for p in args.packages]
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    folders = find_packages(args)
+    if folders is None:
         return 2
     ctx = StageContext.compose(args.artifacts)
     formulas = ctx.split(args.split)[:args.n]
     for name, folder in zip(args.packages, folders):
         package = OnnxPackage(folder, threads=args.threads)
-        images = [x for _, _, x in render_inputs([(f.id, f.latex) for f in formulas], package.preprocess, None,
-                                                 False, "render")]
-        d = np.array([c for x in images for c in gap_changes(package, np.asarray(x, np.float32),
-                                                                 ctx.limits.max_length)])
+        images = rendered(formulas, package.preprocess)
+        d = np.array([c for x in images for c in gap_changes(package, x, ctx.limits.max_length)])
         print(f"{name}: {len(images)} {args.split} formulas, {len(d)} positions, verify width "
               f"{package.verify_width}: change of the top-2 gap p50 {np.median(d):.4f}, p99 "
               f"{np.quantile(d, 0.99):.4f}, max {d.max():.4f} logits")
