@@ -139,7 +139,73 @@ def test_the_encoder_on_every_token_kept_equals_the_full_encoder():
         assert adapter.encode_kept(images, some).shape[1] == some.shape[1]
 
 
-@pytest.mark.parametrize("narrowing", [{}, {"narrow_from": 1, "narrow_by": 4}], ids=["plain", "narrowed"])
+def stand_for(keep: np.ndarray, grid_h: int, grid_w: int) -> np.ndarray:
+    """The counts proportional attention weighs kept patches by, written apart in numpy (the oracle): each
+    kept patch stands for itself and every patch whose nearest kept patch it is, the first of a tie."""
+    yy, xx = np.divmod(np.arange(grid_h * grid_w), grid_w)
+    ky, kx = np.divmod(np.asarray(keep), grid_w)
+    owner = ((yy[:, None] - ky[..., None, :]) ** 2 + (xx[:, None] - kx[..., None, :]) ** 2).argmin(-1)
+    return (owner[..., None] == np.arange(keep.shape[-1])).sum(-2)
+
+
+def test_a_kept_patch_stands_for_itself_and_the_dropped_patches_nearest_it():
+    from pipeline.adapters.attention import stand_for as in_torch
+
+    keep = np.array([[0, 3, 60, 1023], [5, 6, 7, 8]])
+    counts = in_torch(torch.from_numpy(keep), 16, 64).long().numpy()
+    assert counts.sum(-1).tolist() == [1024, 1024] and (counts >= 1).all()
+    assert in_torch(torch.arange(1024)[None], 16, 64).tolist() == [[1] * 1024]  # every patch kept: each stands for one
+    # a 1x4 grid keeping patches 0 and 3: patch 1 is nearest 0, patch 2 nearest 3
+    assert in_torch(torch.tensor([[0, 3]]), 1, 4).tolist() == [[2, 2]]
+    assert in_torch(torch.tensor([[0, 2]]), 1, 3).tolist() == [[2, 1]]  # patch 1: a tie, the first kept one
+    rng = np.random.default_rng(0)
+    many = np.stack([np.sort(rng.choice(1024, 300, replace=False)) for _ in range(2)])
+    assert in_torch(torch.from_numpy(many), 16, 64).long().numpy().tolist() == stand_for(many, 16, 64).tolist()
+    proportional = for_grid(16, 64, 8, {"proportional": True})
+    assert proportional.to_dict()["proportional"] is True and "proportional" not in POLICY.to_dict()
+    assert TokenPolicy.from_dict(proportional.to_dict()) == proportional
+    with pytest.raises(PipelineError, match="proportional attention and narrowing"):
+        for_grid(16, 64, 8, {"proportional": True, "narrow_from": 2, "narrow_by": 64, "buckets": [128, 1024]})
+
+
+def test_proportional_attention_reads_the_kept_patches_as_the_whole_grid_where_dropped_ones_repeat_them():
+    """A blank image whose dropped patches carry their nearest kept patch's position: every dropped token is a
+    copy of a kept one, so the whole encoder's memory at the kept patches is what the kept ones read when each
+    weighs as the patches it stands for, and not what they read without the weights."""
+    adapter = build_tiny()
+    rows, cols, _ = adapter.token_grid()
+    keep = torch.tensor([[0, 5, 9, 17, rows * cols - 1]])
+    yy, xx = np.divmod(np.arange(rows * cols), cols)
+    ky, kx = np.divmod(keep.numpy()[0], cols)
+    owner = ((yy[:, None] - ky) ** 2 + (xx[:, None] - kx) ** 2).argmin(1)
+    pe = adapter.model.patch_embed
+    with torch.no_grad():
+        pe.pos_emb.copy_(pe.pos_emb[:, keep[0][owner]])
+    images = torch.ones(1, *adapter.input_shape)
+    with torch.no_grad():
+        whole = adapter.model.encode(images)[:, keep[0]]
+        adapter.set_token_policy({"buckets": [5, rows * cols]})
+        plain = adapter.encode_kept(images, keep)
+        adapter.set_token_policy({"buckets": [5, rows * cols], "proportional": True})
+        weighed = adapter.encode_kept(images, keep)
+        assert torch.allclose(weighed, whole, atol=1e-5) and not torch.allclose(plain, whole, atol=1e-3)
+        every = torch.arange(rows * cols)[None]  # every patch kept: the weights are all one, nothing changes
+        assert torch.allclose(adapter.encode_kept(images, every), adapter.model.encode(images), atol=1e-5)
+
+
+def test_a_family_whose_attention_takes_no_bias_refuses_proportional_attention_in_one_line(tmp_path):
+    from tiny_model import tiny_hf_model
+
+    from pipeline.adapters.hf_vision_encoder_decoder import HfVisionEncoderDecoderAdapter
+
+    adapter = HfVisionEncoderDecoderAdapter.load(str(tiny_hf_model(tmp_path / "vit")))
+    adapter.set_token_policy({"buckets": [8, 16]})  # it reads a subset ...
+    with pytest.raises(PipelineError, match="proportional attention needs an encoder attention that takes a bias"):
+        adapter.set_token_policy({"buckets": [8, 16], "proportional": True})  # ... but cannot weigh it
+
+
+@pytest.mark.parametrize("narrowing", [{}, {"narrow_from": 1, "narrow_by": 4}, {"proportional": True}],
+                         ids=["plain", "narrowed", "proportional"])
 def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_reads_as_torch(tmp_path, narrowing):
     from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
     from pipeline.data.render import render_formula
@@ -169,6 +235,12 @@ def test_a_model_with_a_policy_saves_it_exports_a_keep_input_and_its_package_rea
     folder = tmp_path / "export-ort_cpu"
     meta = json.loads((folder / "package.json").read_text())
     assert meta["token_policy"] == adapter.token_policy.to_dict()
+    if adapter.token_policy.proportional:  # the weights are computed in the graph and fused as MHA's attention_bias
+        import onnx
+
+        nodes = onnx.load(str(folder / "encoder.onnx")).graph.node
+        mha = [n for n in nodes if n.op_type == "MultiHeadAttention"]
+        assert mha and not any(n.op_type == "Softmax" for n in nodes) and all(len(n.input) == 6 and n.input[5] for n in mha)
     assert meta["io"]["encoder"]["inputs"] == ["images", "keep"]
     package = OnnxPackage(folder, threads=1)
     images = np.stack([package.preprocess(render_formula(f)) for f in FORMULAS[:3]]).astype(np.float32)

@@ -9,6 +9,7 @@ TrOCR) already use, which is why :func:`remove_heads_from_linears` serves both.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Sequence
 
@@ -37,6 +38,9 @@ class ExplicitAttention(nn.Module):
         self.register_buffer("head_mask", None, persistent=False)
         # key/value pooling (:meth:`pool_keys`): (rows, cols, window rows, window cols) or None
         self.key_pool: tuple[int, int, int, int] | None = None
+        # an additive bias on the scores, [B, 1, N, N] broadcast over the heads, set for one encoder pass by
+        # :func:`keys_weighted` (proportional attention); None: none
+        self.key_bias: torch.Tensor | None = None
 
     def pool_keys(self, grid: tuple[int, int], window: tuple[int, int]) -> None:
         """Attend to window means of the keys and values instead of every token: the key and value
@@ -87,6 +91,8 @@ class ExplicitAttention(nn.Module):
         k = self._split(self.k_proj(key))
         v = self._split(self.v_proj(value))
         scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.head_dim))
+        if self.key_bias is not None:
+            scores = scores + self.key_bias
         if attn_mask is not None:
             scores = _apply_mask(scores, attn_mask[None, None] if attn_mask.dim() == 2 else attn_mask)
         if key_padding_mask is not None:
@@ -107,6 +113,51 @@ def pool_patch_tokens(x: torch.Tensor, rows: int, cols: int, wr: int, wc: int) -
     each ``wr`` × ``wc`` window of patches (row-major)."""
     d = x.shape[-1]
     return x.reshape(-1, rows // wr, wr, cols // wc, wc, d).mean(dim=(2, 4)).reshape(-1, (rows // wr) * (cols // wc), d)
+
+
+def stand_for(keep: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
+    """[B, K] kept patch indices -> [B, K] float counts: how many patches of the grid each kept one stands for
+    (itself and those nearest it; squared grid distance, the first of a tie), in ops an exported graph keeps (no
+    data-dependent shape): the package computes it from its ``keep`` input, so a runtime passes nothing more."""
+    n = grid_h * grid_w
+    cells = torch.arange(n, device=keep.device)
+    # integers throughout (exact in any precision a target converts the graph's floats to), no Cast: the
+    # counts come out of a Where on float constants
+    d = (cells[None, :, None] // grid_w - keep[:, None, :] // grid_w) ** 2 + \
+        (cells[None, :, None] % grid_w - keep[:, None, :] % grid_w) ** 2  # [B, patches, K]
+    owner = d.argmin(-1)  # [B, patches]
+    slots = torch.arange(keep.shape[1], device=keep.device)
+    one = torch.ones((), dtype=torch.float32, device=keep.device)
+    return torch.where(owner[:, :, None] == slots[None, None, :], one, 0 * one).sum(1)
+
+
+def proportional_bias(counts: torch.Tensor, specials: int = 0) -> torch.Tensor:
+    """[B, K] counts -> the scores' bias [B, 1, S + K, S + K]: log(count) on each key (0 on the S special
+    tokens), the same for every query (ToMe's proportional attention: softmax then weighs a kept key as
+    ``count`` copies of it). Expanded to the square, the layout ONNX Runtime's MultiHeadAttention takes."""
+    bias = torch.log(counts)
+    if specials:
+        bias = torch.cat([bias.new_zeros(bias.shape[0], specials), bias], 1)
+    n = bias.shape[1]
+    return bias[:, None, None, :].expand(-1, 1, n, -1)
+
+
+@contextlib.contextmanager
+def keys_weighted(modules: Sequence[nn.Module], bias: torch.Tensor | None):
+    """Every :class:`ExplicitAttention` below ``modules`` adds ``bias`` to its scores inside the block."""
+    attns = [m for mod in modules for m in mod.modules() if isinstance(m, ExplicitAttention)] if bias is not None else []
+    for a in attns:
+        a.key_bias = bias
+    try:
+        yield
+    finally:
+        for a in attns:
+            a.key_bias = None
+
+
+def reads_key_bias(modules: Sequence[nn.Module]) -> bool:
+    """Whether every one of ``modules`` (encoder layers) attends through an :class:`ExplicitAttention`."""
+    return bool(modules) and all(any(isinstance(m, ExplicitAttention) for m in mod.modules()) for mod in modules)
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

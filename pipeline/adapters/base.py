@@ -245,6 +245,9 @@ class ModelAdapter(abc.ABC):
         settings = dict(settings)  # ink_below: a grey level (0..1), on the scale the encoder's inputs have
         settings["ink_below"] = self.preprocessed_level(float(settings.get("ink_below", INK_BELOW)))
         policy = for_grid(*grid, settings)
+        if policy.proportional and not self.reads_proportional():
+            raise PipelineError(f"token policy: proportional attention needs an encoder attention that takes a bias on "
+                                f"its scores; the '{self.family}' adapter's does not (prune.tokens.proportional=false)")
         layers = len(self.encoder_head_counts())
         if policy.narrow_from >= layers:
             raise PipelineError(f"token policy: narrow_from={policy.narrow_from}, but the encoder has {layers} layers "
@@ -260,14 +263,22 @@ class ModelAdapter(abc.ABC):
         raise NotImplementedError(self.token_policy_refusal())
 
     def encoder_layers(self, x: torch.Tensor, layers: Sequence[torch.nn.Module], specials: int = 0,
-                       call: Callable = lambda layer, x: layer(x)) -> torch.Tensor:
+                       call: Callable = lambda layer, x: layer(x), keep: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [B, S + K, D] through the encoder's ``layers``. From the policy's ``narrow_from`` on only
         the S special tokens and the first ``narrowed(K)`` kept patches (by rank: ink, neighbours, frame) go
-        through the layers; the last ``narrow_by`` (filler) skip them and join the memory as they were."""
+        through the layers; the last ``narrow_by`` (filler) skip them and join the memory as they were. With
+        ``keep`` ([B, K] kept patch indices) and a proportional policy, every layer's attention weighs a kept
+        patch as the patches it stands for (:func:`~pipeline.adapters.attention.proportional_bias`)."""
+        from pipeline.adapters.attention import keys_weighted, proportional_bias, stand_for
+
         policy = self.token_policy
+        bias = None
+        if policy is not None and policy.proportional and keep is not None:
+            bias = proportional_bias(stand_for(keep.to(x.device), policy.grid_h, policy.grid_w), specials)
         start = policy.narrow_from if policy is not None and policy.narrows else len(layers)
-        for layer in layers[:start]:
-            x = call(layer, x)
+        with keys_weighted(layers, bias):
+            for layer in layers[:start]:
+                x = call(layer, x)
         if start == len(layers):
             return x
         k = specials + policy.narrowed(x.shape[1] - specials)
@@ -275,6 +286,11 @@ class ModelAdapter(abc.ABC):
         for layer in layers[start:]:
             head = call(layer, head)
         return torch.cat([head, tail], 1)
+
+    def reads_proportional(self) -> bool:
+        """Whether the encoder's attention can weigh kept patches (a token policy's ``proportional``): the
+        default family's can; a family whose attention takes no bias says no."""
+        return False
 
     def kept_memory(self, memory: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """An encoder's memory over every token [B, S + patches, D] at the tokens this model's policy keeps,

@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pipeline import schema
-from pipeline.adapters.attention import ExplicitAttention, remove_heads, replace_mha
+from pipeline.adapters.attention import ExplicitAttention, reads_key_bias, remove_heads, replace_mha
 from pipeline.adapters.base import ModelAdapter, SmoothPair, register_adapter
 from pipeline.data.render import INK_THRESHOLD
 from pipeline.errors import PipelineError, SchemaError
@@ -282,7 +282,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         keep = keep.to(x.device)
         x = torch.gather(x, 1, keep[:, :, None].expand(-1, -1, x.shape[-1]))
         x = pe.dropout(pe.norm(x))
-        return self.model.encoder_norm(self.encoder_layers(x, self.model.encoder_blocks))
+        return self.model.encoder_norm(self.encoder_layers(x, self.model.encoder_blocks, keep=keep))
+
+    def reads_proportional(self) -> bool:
+        return reads_key_bias(self.model.encoder_blocks)
 
     def token_grid(self) -> tuple[int, int, int] | None:
         if any(w != [1, 1] for w in self.encoder_key_pools()):  # pooled keys need the whole grid

@@ -97,7 +97,7 @@ def fuse_attention(model: onnx.ModelProto) -> int:
     retarget: dict[int, list[onnx.NodeProto]] = {}  # id(Shape of a context) -> the nodes taking its place
     merges: list[onnx.NodeProto] = []  # Reshapes [B, N, H, d] -> [B, N, H·d] some inputs need
     for sm in [n for n in model.graph.node if n.op_type == "Softmax"]:
-        scale_node = g.producer.get(sm.input[0])
+        scale_node, bias = _biased(g, sm.input[0])
         if scale_node is None or scale_node.op_type not in ("Mul", "Div"):
             continue
         s = g.const(scale_node.input[1])
@@ -134,6 +134,8 @@ def fuse_attention(model: onnx.ModelProto) -> int:
                 inputs.append(merges[-1].output[0])
             else:
                 inputs.append(r.input[0])
+        if bias is not None:  # a bias on the scores [B, 1, N, N] (proportional attention): MHA's attention_bias
+            inputs += ["", "", bias]
         mha = helper.make_node("MultiHeadAttention", inputs, [f"{name}_output_0"],
                                name=name, domain="com.microsoft", num_heads=heads, scale=scale)
         for user in g.consumers.get(out_t.output[0], []):
@@ -162,6 +164,19 @@ def fuse_attention(model: onnx.ModelProto) -> int:
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     log.debug("fused %d attention blocks into MultiHeadAttention", len(fused))
     return len(fused)
+
+
+def _biased(g: _Graph, scores: str) -> tuple[Optional[onnx.NodeProto], Optional[str]]:
+    """The node scaling ``scores`` (a Softmax's input) and the bias added after it, if any: ``Add(scale
+    node, bias)`` -> (scale node, bias); otherwise (the producer, None)."""
+    node = g.producer.get(scores)
+    if node is None or node.op_type != "Add":
+        return node, None
+    for i, other in ((0, 1), (1, 0)):
+        scaled = g.producer.get(node.input[i])
+        if scaled is not None and scaled.op_type in ("Mul", "Div") and g.const(node.input[other]) is None:
+            return scaled, node.input[other]
+    return node, None
 
 
 def remove_dead_nodes(model: onnx.ModelProto) -> None:

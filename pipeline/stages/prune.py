@@ -57,6 +57,9 @@ class TokensConfig:
     # from this encoder layer on (0: never) the last narrow_by kept tokens (filler) skip the layers
     narrow_from: int = 0
     narrow_by: int = 0
+    # proportional attention: a kept patch weighs in the encoder's attention as the patches it stands for, itself
+    # and the dropped ones nearest it (pipeline/adapters/attention.py: stand_for); docs/tokens.md
+    proportional: bool = False
 
     def policy(self, training: bool = False) -> Optional[dict]:
         """The policy's settings (pipeline/tokens/policy.py), or None when off; ``training``: the
@@ -66,7 +69,8 @@ class TokensConfig:
         buckets = self.train_buckets if training and self.train_buckets else self.buckets
         return {"dilate": int(self.dilate), "frame_stride": int(self.frame_stride),
                 "buckets": [int(b) for b in buckets], "ink_below": float(self.ink_below),
-                "narrow_from": int(self.narrow_from), "narrow_by": int(self.narrow_by)}
+                "narrow_from": int(self.narrow_from), "narrow_by": int(self.narrow_by),
+                **({"proportional": True} if self.proportional else {})}
 
 
 @dataclass
@@ -304,6 +308,8 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
     else:  # the finetune's batches hold one bucket each (they were topped up to their largest before)
         config["tokens"]["batches"] = "one bucket"
         config["tokens"].pop("skip_unsupported")  # what happens to a model that cannot: not this artifact
+        if not cfg.tokens.proportional:  # the policy as it was before the option: same keys
+            config["tokens"].pop("proportional")
     for key, before in (("finetune_varied", 0), ("finetune_scope", "model"), ("finetune_label_weight", 1.0),
                         ("finetune_targets", "labels"), ("finetune_precision", "fp32"),
                         ("check_before_recovery", True)):

@@ -44,6 +44,10 @@ class TokenPolicy:
     # without them
     narrow_from: int = 0
     narrow_by: int = 0
+    # proportional attention (ToMe's): in the encoder's attention a kept patch weighs as many patches as it stands
+    # for, itself and the dropped ones nearest it (``pipeline.adapters.attention.stand_for``), a bias log(count)
+    # on its key; computed inside the exported encoder from ``keep``, so a runtime passes nothing more
+    proportional: bool = False
 
     def __post_init__(self) -> None:
         n = self.grid_h * self.grid_w
@@ -59,6 +63,9 @@ class TokenPolicy:
         if self.narrow_from < 0 or self.narrow_by < 0 or (self.narrow_from > 0) != (self.narrow_by > 0):
             raise PipelineError(f"token policy: narrow_from={self.narrow_from}, narrow_by={self.narrow_by}: both "
                                 f"0 (no narrowing) or both >= 1")
+        if self.proportional and self.narrows:
+            raise PipelineError("token policy: proportional attention and narrowing do not go together (the narrowed "
+                                "layers would read counts of tokens they do not see)")
         if self.narrow_by >= b[0]:
             raise PipelineError(f"token policy: narrow_by={self.narrow_by} must be below the smallest bucket {b[0]}")
         object.__setattr__(self, "buckets", tuple(int(x) for x in b))
@@ -77,7 +84,10 @@ class TokenPolicy:
         return kept - self.narrow_by
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "buckets": list(self.buckets)}
+        out = {**asdict(self), "buckets": list(self.buckets)}
+        if not self.proportional:  # the settings as they were before the option
+            out.pop("proportional")
+        return out
 
     @classmethod
     def from_dict(cls, spec: dict, where: str = "token_policy") -> "TokenPolicy":
