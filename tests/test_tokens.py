@@ -321,6 +321,18 @@ def test_prune_tokens_recovers_the_model_to_read_its_kept_tokens_and_saves_the_p
     assert model.encode(blank).shape[1] == 8  # a blank image: the floor
 
 
+def test_prune_saves_a_proportional_policy_without_a_recovery_and_the_key_only_when_it_is_on(tmp_path):
+    build_tiny().save(tmp_path / "tiny")
+    policy = ["prune.num_heads=0", "prune.tokens.enabled=true", "prune.tokens.buckets=[8,16]",
+              "prune.tokens.frame_stride=2", "prune.recovery=false"]
+    ctx, manifest = _prune(tmp_path, tmp_path / "tiny", *policy, "prune.tokens.proportional=true")
+    assert manifest["config"]["tokens"]["proportional"] is True
+    model = ctx.load_model("prune")
+    assert model.token_policy.proportional and model.encode(torch.ones(1, *model.input_shape)).shape[1] == 8
+    _, plain = _prune(tmp_path / "plain", tmp_path / "tiny", *policy)
+    assert "proportional" not in plain["config"]["tokens"]  # earlier policy artifacts keep their keys
+
+
 def test_qat_finetunes_a_policy_model_against_itself_at_the_tokens_both_keep():
     """QAT's teacher is the float model with the same policy: its memory is already at the kept tokens (the
     prune recovery's teacher reads every token and is gathered); a teacher keeping other tokens is refused."""
