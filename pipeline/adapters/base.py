@@ -19,6 +19,7 @@ from PIL import Image
 from torch import nn
 
 from pipeline import interrupts
+from pipeline.adapters.attention import keys_weighted, proportional_bias, stand_for
 # DecodeResult lives beside the loops that fill it (torch-free: the package runtime and Triton's model read it)
 from pipeline.decoding import DecodeResult, LayoutGuard, greedy  # noqa: F401
 from pipeline.errors import PipelineError
@@ -269,8 +270,6 @@ class ModelAdapter(abc.ABC):
         through the layers; the last ``narrow_by`` (filler) skip them and join the memory as they were. With
         ``keep`` ([B, K] kept patch indices) and a proportional policy, every layer's attention weighs a kept
         patch as the patches it stands for (:func:`~pipeline.adapters.attention.proportional_bias`)."""
-        from pipeline.adapters.attention import keys_weighted, proportional_bias, stand_for
-
         policy = self.token_policy
         bias = None
         if policy is not None and policy.proportional and keep is not None:
