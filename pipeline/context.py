@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from pipeline.artifacts import StageOutput, read_manifest, sha256_dir, sha256_fi
 from pipeline.data.corpus import SHIFT, Formula, build_corpus, build_shift_split, read_jsonl, write_jsonl
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.names import FORMULAS_FILE, MANIFEST
+
+log = logging.getLogger(__name__)
 
 ORIGINAL = ("original", "package")
 MODEL_SUBDIR = "model"  # a stage that produces a model writes it to <stage folder>/model/
@@ -250,6 +253,18 @@ class StageContext:
         from pipeline.device import resolve
 
         return resolve(str(self.cfg.model.device))
+
+    def training_precision(self, key: str, setting: str) -> str:
+        """A training precision setting (``key``: ``auto`` | ``fp32`` | ``bf16``) as it runs on :attr:`device`:
+        ``auto`` is bf16 where the device computes it natively, else fp32 (said in one line); the stage's
+        artifact is keyed by what ran."""
+        from pipeline.device import precision
+
+        chosen = precision(str(getattr(setting, "value", setting)), self.device)
+        if setting == "auto":
+            log.info(f"[{key.split('.')[0]}] {key}=auto: {chosen} on {self.device}"
+                     + ("" if chosen == "bf16" else " (no native bfloat16 here)"))
+        return chosen
 
     def decoding_key(self) -> dict:
         """What of greedy decoding, besides ``max_length``, an artifact that decodes depends on: the

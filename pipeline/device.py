@@ -44,6 +44,32 @@ def resolve(setting: str):
     return torch.device(setting)
 
 
+def native_bf16(device, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether ``device`` computes bfloat16 natively: a CUDA device that supports it, or a CPU with AVX512-BF16 or
+    AMX (its Linux ``/proc/cpuinfo`` flags). Elsewhere torch emulates it, and bf16 autocast is slower than fp32:
+    7x a training step on an AVX2 EPYC (docs/results/2026-12-07-bf16-on-avx2.md)."""
+    import torch
+
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    try:
+        with open(cpuinfo, encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: fp32
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def precision(setting: str, device) -> str:
+    """A training precision setting (``auto`` | ``fp32`` | ``bf16``) as run on ``device``: ``auto`` is bf16
+    where the device computes it natively (:func:`native_bf16`), else fp32."""
+    if setting != "auto":
+        return setting
+    return "bf16" if native_bf16(device) else "fp32"
+
+
 @contextlib.contextmanager
 def placed(device, *adapters) -> Iterator[None]:
     """``adapters``' models on ``device`` for the block, back where each was after it (also on an error)."""

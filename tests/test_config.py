@@ -193,13 +193,13 @@ def test_model_device_cuda_without_cuda_is_one_error_line_and_auto_is_the_cpu(tm
     ("prune.normalize=glob", "layer, global"),
     ("prune.finetune_scope=decoder", "model, encoder"),
     ("prune.finetune_targets=ground", "labels, teacher"),
-    ("prune.finetune_precision=fp16", "fp32, bf16"),
+    ("prune.finetune_precision=fp16", "auto, fp32, bf16"),
+    ("quantize.qat_precision=fp16", "auto, fp32, bf16"),
     ("prune.teacher_reader=tensorrt", "onnxruntime, torch"),
     ("quantize.methods=[minmax,histogram]", "minmax, minmax_ema, entropy, percentile, percentile_99.99"),
     ("quantize.method=histogram", "auto, minmax, minmax_ema, entropy, percentile, percentile_99.99"),
     ("quantize.metric=mse", "snr_db, cosine"),
     ("quantize.ort_cpu_activations=int4", "int8, uint8"),
-    ("quantize.qat_precision=fp16", "fp32, bf16"),
     ("distill.targets=kd", "truth, teacher"),
     ("prune.eval_splits=[eval,shfit]", "train, calib, eval, shift"),
     ("tokenizer.eval_split=evl", "train, calib, eval, shift"),
@@ -247,3 +247,31 @@ def test_a_typed_option_reads_compares_and_hashes_as_its_string():
         assert json.dumps(typed, sort_keys=True) == json.dumps(plain(typed), sort_keys=True)
         assert sha256_json(typed) == sha256_json(plain(typed))
         assert type(plain(typed)) is dict and not any(isinstance(v, Choice) for v in plain(typed).values())
+
+
+def test_auto_training_precision_is_bf16_only_where_the_cpu_computes_it_natively(tmp_path, monkeypatch, caplog):
+    """prune.finetune_precision / quantize.qat_precision=auto: bf16 on a CPU whose flags say AVX512-BF16 or AMX,
+    fp32 on one that would emulate it (an AVX2 CPU: a bf16 step 7x an fp32 one), said in one line; a set value
+    is kept as it is."""
+    import logging
+
+    import torch
+
+    import pipeline.device as device
+
+    cpu = torch.device("cpu")
+    for flags, native in (("fpu sse2 avx2 fma", False), ("avx512f avx512_bf16 avx512_vnni", True), ("amx_bf16 amx_tile", True)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        assert device.native_bf16(cpu, str(info)) is native, flags
+    assert device.native_bf16(cpu, str(tmp_path / "missing")) is False  # not Linux: fp32
+    ctx = make_ctx(tmp_path)
+    for native, chosen in ((False, "fp32"), (True, "bf16")):
+        monkeypatch.setattr(device, "native_bf16", lambda d, native=native: native)
+        with caplog.at_level(logging.INFO, logger="pipeline.context"):
+            caplog.clear()
+            assert ctx.training_precision("prune.finetune_precision", "auto") == chosen
+        assert caplog.messages == [f"[prune] prune.finetune_precision=auto: {chosen} on cpu"
+                                   + ("" if native else " (no native bfloat16 here)")]
+        assert ctx.training_precision("quantize.qat_precision", "fp32") == "fp32"
+        assert ctx.training_precision("quantize.qat_precision", "bf16") == "bf16"

@@ -354,6 +354,8 @@ FINETUNE_TARGETS = ("labels", "teacher")
 # on a GPU. The teacher's outputs are fp32 either way (a fast run with them in bf16 too, and fewer
 # steps and formulas, read 1.6 points fewer on the eval split: docs/chain.md)
 FINETUNE_PRECISIONS = ("fp32", "bf16")
+# the setting: either, or auto (bf16 where the device computes it natively, else fp32: pipeline.device.precision)
+PRECISION_SETTINGS = ("auto", *FINETUNE_PRECISIONS)
 
 
 class TeacherCache:

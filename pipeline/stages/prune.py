@@ -38,7 +38,7 @@ Normalize = choices("Normalize", select.NORMALIZE, __name__)
 FinetuneScope = choices("FinetuneScope", recover.FINETUNE_SCOPES, __name__)
 FinetuneTargets = choices("FinetuneTargets", recover.FINETUNE_TARGETS, __name__)
 TeacherReader = choices("TeacherReader", readings.READERS, __name__)
-Precision = choices("Precision", recover.FINETUNE_PRECISIONS, __name__)
+Precision = choices("Precision", recover.PRECISION_SETTINGS, __name__)
 
 
 @dataclass
@@ -129,7 +129,8 @@ class PruneConfig:
     # either way cached under <artifacts>/cache/ by model and images (pipeline/quantization/readings.py)
     teacher_reader: TeacherReader = TeacherReader.onnxruntime
     # the student's forward and backward in the finetune: fp32 | bf16 (autocast; weights, optimizer and
-    # losses stay fp32; 2.3x faster a step on an AVX512-BF16 CPU)
+    # losses stay fp32; 2.3x faster a step on an AVX512-BF16 CPU, 7x slower on an AVX2 one, which emulates it)
+    # | auto (bf16 where the device computes it natively, else fp32; the artifact records which ran)
     finetune_precision: Precision = Precision.fp32
     lr: float = 1e-4
     iterations: int = 1              # prune in this many rounds, recovering after each
@@ -182,8 +183,8 @@ def validate(cfg: PruneConfig) -> None:
                             f"got {cfg.finetune_scope!r}")
     if cfg.teacher_reader not in readings.READERS:
         raise PipelineError(f"prune.teacher_reader must be one of {', '.join(readings.READERS)}, got {cfg.teacher_reader!r}")
-    if cfg.finetune_precision not in recover.FINETUNE_PRECISIONS:
-        raise PipelineError(f"prune.finetune_precision must be one of {', '.join(recover.FINETUNE_PRECISIONS)}, "
+    if cfg.finetune_precision not in recover.PRECISION_SETTINGS:
+        raise PipelineError(f"prune.finetune_precision must be one of {', '.join(recover.PRECISION_SETTINGS)}, "
                             f"got {cfg.finetune_precision!r}")
     if cfg.finetune_targets not in recover.FINETUNE_TARGETS:
         raise PipelineError(f"prune.finetune_targets must be labels or teacher, got {cfg.finetune_targets!r}")
@@ -208,6 +209,7 @@ def validate(cfg: PruneConfig) -> None:
 # ---- the stage --------------------------------------------------------------------------------
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     validate(cfg)
+    cfg = replace(cfg, finetune_precision=ctx.training_precision("prune.finetune_precision", cfg.finetune_precision))
     phases = Phases()
     original = ctx.load_model(cfg.model)
     attns = steps.attention_layers(original)

@@ -36,7 +36,7 @@ from pipeline.context import StageContext, file_hash
 from pipeline.data.corpus import Split, check_splits
 from pipeline.errors import PipelineError, optional_part
 from pipeline.names import MANIFEST, QUANTIZE_ORIGINAL
-from pipeline.pruning.recover import FINETUNE_PRECISIONS
+from pipeline.pruning.recover import PRECISION_SETTINGS
 from pipeline.quantization import qdq, steps
 from pipeline.quantization.check import check_on_eval
 from pipeline.quantization.report import summary_line
@@ -51,7 +51,7 @@ Method = choices("Method", METHODS, __name__)
 MethodOrAuto = choices("MethodOrAuto", ("auto", *METHODS), __name__)
 SensitivityMetric = choices("SensitivityMetric", sensitivity.METRICS, __name__)
 Activations = choices("Activations", qdq.ACTIVATIONS, __name__)
-Precision = choices("Precision", FINETUNE_PRECISIONS, __name__)
+Precision = choices("Precision", PRECISION_SETTINGS, __name__)
 
 
 @dataclass
@@ -113,7 +113,8 @@ class QuantizeConfig:
     qat_images: int = 512             # calibration-set rows (from row 0) it trains on
     qat_minutes: float = 60.0         # wall-clock bound on the steps
     qat_precision: Precision = Precision.fp32  # fp32 | bf16: the student's forward and backward under bf16 autocast
-                                      # (2.1x a step here)
+                                      # (2.1x a step on an AVX512-BF16 CPU; slower than fp32 where it is
+                                      # emulated) | auto: bf16 where the device computes it natively, else fp32
     # also the original model's graphs with this plan applied, no search (artifact quantize-original;
     # export.baselines packages it): what quantization does without pruning, beside the chain's model.
     # stage=all: off (a comparison; preset=thorough: on). Its plan check reads the first original_search_images
@@ -136,8 +137,8 @@ def validate(cfg: QuantizeConfig) -> None:
     if cfg.qat_steps < 0 or cfg.qat_images < 1 or not cfg.qat_lr > 0 or not cfg.qat_minutes > 0:
         raise PipelineError(f"quantize.qat_steps must be >= 0, qat_images >= 1, qat_lr and qat_minutes > 0; got "
                             f"{cfg.qat_steps}, {cfg.qat_images}, {cfg.qat_lr}, {cfg.qat_minutes}")
-    if cfg.qat_precision not in FINETUNE_PRECISIONS:
-        raise PipelineError(f"quantize.qat_precision must be one of {', '.join(FINETUNE_PRECISIONS)}, "
+    if cfg.qat_precision not in PRECISION_SETTINGS:
+        raise PipelineError(f"quantize.qat_precision must be one of {', '.join(PRECISION_SETTINGS)}, "
                             f"got {cfg.qat_precision!r}")
     if not 0.0 <= cfg.budget < 1.0:
         raise PipelineError(f"quantize.budget must be in [0, 1) (a share of exact match), got {cfg.budget}")
@@ -174,6 +175,7 @@ def run(cfg: QuantizeConfig, ctx: StageContext) -> dict:
     """The chain model's plan and graphs; with ``quantize.original`` (and a chain model that a stage
     made) also the graphs of the model it was made from, with that plan applied."""
     validate(cfg)
+    cfg = replace(cfg, qat_precision=ctx.training_precision("quantize.qat_precision", cfg.qat_precision))
     manifest = _run_one(cfg, ctx)
     origin = ctx.chain_origin(manifest["config"]["model_ref"]) if cfg.original else None
     if origin is None or origin == manifest["config"]["model_ref"]:
