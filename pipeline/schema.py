@@ -152,6 +152,7 @@ MODEL_CONFIG = {
     }),
     "encoder_heads": Spec("list", items=INT(1), optional=True),
     "encoder_key_pools": Spec("list", items=Spec("list", items=INT(1), length=2), optional=True),
+    "encoder_mlp": Spec("list", items=INT(1), optional=True),
     "tokenizer": Spec("file", optional=True),
 }
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from pipeline.adapters.attention import ExplicitAttention, remove_heads
 from pipeline.errors import PipelineError
-from pipeline.pruning import count, scores, select
+from pipeline.pruning import count, mlp, scores, select
 from pipeline.pruning.heads import head_gates
 from tiny_model import build_tiny
 
@@ -510,3 +510,35 @@ def test_finetune_on_the_originals_readings_ignores_the_labels(tiny):
     c = tuned(["x^2", "a+b", "k^n", "y"], None)  # the labels: another run
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     assert not all(torch.equal(p, q) for p, q in zip(a, c))
+
+
+def test_a_narrowed_mlp_reads_as_its_dropped_units_zeroed_and_reloads_with_its_widths(tiny, tmp_path):
+    """``narrow_encoder_mlp`` removes hidden units physically: the same output as the whole MLP with the dropped
+    units' weights back set to zero; the kept units are each layer's highest scored; the saved model rebuilds
+    the narrowed layers."""
+    from pipeline.adapters.latex_ocr_junia import LatexOcrJuniaAdapter
+
+    torch.manual_seed(0)
+    x = torch.rand(3, *tiny.input_shape)
+    found = mlp.unit_scores(tiny, x)
+    units = mlp.units_to_keep(found, 0.25)
+    assert mlp.units_to_keep(found, 0.0) == {}
+    for layer, keep in units.items():
+        assert len(keep) == 48 and keep == sorted(keep)
+        assert float(found[layer][keep].min()) >= float(found[layer][[u for u in range(64) if u not in keep]].max())
+    narrowed, zeroed = tiny.clone(), tiny.clone()
+    narrowed.narrow_encoder_mlp(units)
+    assert narrowed.encoder_mlp_widths() == mlp.widths(units, tiny) == [48, 48]
+    with torch.no_grad():
+        for layer, keep in units.items():
+            fc2 = zeroed.encoder_mlp(layer)[1]
+            fc2.weight[:, [u for u in range(64) if u not in keep]] = 0.0
+        torch.testing.assert_close(narrowed.encode(x), zeroed.encode(x), atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(narrowed.encode(x), tiny.encode(x), atol=1e-4)
+    narrowed.save(tmp_path / "m")
+    again = LatexOcrJuniaAdapter.load(str(tmp_path / "m"))
+    assert again.encoder_mlp_widths() == [48, 48]
+    with torch.no_grad():
+        assert torch.equal(again.encode(x), narrowed.encode(x))
+    with pytest.raises(ValueError, match="do not fit its 48"):
+        again.narrow_encoder_mlp({0: [0, 60]})

@@ -134,6 +134,8 @@ def test_sequence_distillation_finetune_trains_the_encoder_alone(tmp_path, tiny_
     ("prune.key_pool_layers=[0,0]", "at most once"),
     ("prune.key_pool_layers=[0] prune.key_pool=[3,1]", "does not tile the 4x8 patch grid"),
     ("prune.key_pool_layers=[0] prune.key_pool=[2]", r"\[rows, cols\] of patches"),
+    ("prune.mlp_ratio=1.0", r"prune.mlp_ratio must be in \[0, 1\), got 1.0"),
+    ("prune.mlp_ratio=-0.1", r"prune.mlp_ratio must be in \[0, 1\)"),
 ])
 def test_bad_targets_fail_with_one_message_and_no_artifact(tmp_path, tiny_folder, override, message):
     with pytest.raises(PipelineError, match=message):
@@ -173,6 +175,43 @@ def test_pooled_keys_without_removed_heads_are_recovered_saved_and_reloaded(tmp_
                     "prune.finetune_steps=0")
     assert "key_pool_layers" not in plain["config"] and "key_pool" not in plain["config"]
     assert "encoder_key_pools" not in json.loads((tmp_path / "plain" / "prune" / "model" / "config.json").read_text())
+
+
+def test_an_adapter_that_cannot_narrow_its_mlp_is_one_error_line_saying_how_to_turn_it_off(tmp_path, tiny_folder,
+                                                                                           monkeypatch):
+    from pipeline.adapters.base import ModelAdapter
+
+    monkeypatch.setattr(type(build_tiny()), "encoder_mlp", ModelAdapter.encoder_mlp)
+    with pytest.raises(PipelineError, match=r"prune.mlp_ratio=0.5: \w+ cannot narrow its encoder's MLP; "
+                                            r"'prune.mlp_ratio=0' prunes heads alone"):
+        _run(tmp_path, tiny_folder, "prune.mlp_ratio=0.5")
+    assert not [p for p in tmp_path.glob("prune*")]
+
+
+@pytest.mark.slow
+def test_narrowed_mlps_without_removed_heads_are_recovered_saved_and_reloaded(tmp_path, tiny_folder):
+    """prune.mlp_ratio alone (no head removed): each encoder layer keeps half its MLP units, one recovery round
+    refits and finetunes them, fewer FLOPs, the saved model has the same widths after a reload, and the option
+    enters the key only when it is on."""
+    ctx, manifest = _run(tmp_path, tiny_folder, "prune.num_heads=0", "prune.compare_random=false",
+                         "prune.mlp_ratio=0.5")
+    m = manifest["metrics"]
+    assert m["heads_removed"] == 0 and m["encoder_mlp"] == [32, 32]
+    assert len(m["recovery"]["rounds"]) == 1 and m["recovery"]["rounds"][0]["finetune"]["steps"] == 1
+    assert sorted(m["recovery"]["rounds"][0]["refit"]) == [0, 1]  # every narrowed layer refitted
+    v = m["variants"]
+    assert v["pruned, after recovery"]["encoder_gflops"] < v["original"]["encoder_gflops"]
+    assert v["pruned, after recovery"]["params"] < v["original"]["params"]
+    assert m["reload_identical"] is True
+    assert ctx.load_model("prune").encoder_mlp_widths() == [32, 32]
+    assert json.loads((tmp_path / "prune" / "model" / "config.json").read_text())["encoder_mlp"] == [32, 32]
+    assert manifest["config"]["mlp_ratio"] == 0.5
+    assert v["original"]["encoder_mlp"] == [64, 64] and v["pruned, after recovery"]["encoder_mlp"] == [32, 32]
+    assert "| MLP units per layer |" in (tmp_path / "prune" / "report.md").read_text()
+    _, plain = _run(tmp_path / "plain", tiny_folder, "prune.num_heads=1", "prune.compare_random=false",
+                    "prune.finetune_steps=0")
+    assert "mlp_ratio" not in plain["config"]
+    assert "encoder_mlp" not in json.loads((tmp_path / "plain" / "prune" / "model" / "config.json").read_text())
 
 
 def test_model_without_encoder_attention_is_refused(tmp_path):

@@ -371,7 +371,8 @@ def test_a_token_policy_the_model_cannot_read_with_is_one_error_before_the_work(
 @pytest.mark.slow
 def test_the_chain_hands_a_token_policy_from_prune_through_quantize_to_every_targets_package(tmp_path):
     """prune.tokens on: quantize calibrates, searches and finetunes through the kept tokens (its readers feed
-    the encoder's keep input), and each target's package reads the INT8 encoder with the policy."""
+    the encoder's keep input), and each target's package reads the INT8 encoder with the policy. The MLPs are
+    narrowed too (prune.mlp_ratio): the narrower projections go through QAT and INT8 to every target."""
     from test_chain import CHAIN, _tiny_with_calib_set
 
     from pipeline.export.runtime import OnnxPackage
@@ -380,10 +381,12 @@ def test_the_chain_hands_a_token_policy_from_prune_through_quantize_to_every_tar
     original, _ = _tiny_with_calib_set(tmp_path)
     (tmp_path / "formulas.txt").write_text("\n".join(FORMULAS[:3]) + "\n")
     ctx = fake_ctx(tmp_path, [f"prune.model={original}", f"export.formulas={tmp_path / 'formulas.txt'}", *CHAIN,
-                              "prune.tokens.enabled=true", "prune.tokens.buckets=[8,16,32]", "quantize.qat_steps=2",
+                              "prune.tokens.enabled=true", "prune.tokens.buckets=[8,16,32]", "prune.mlp_ratio=0.5",
+                              "quantize.qat_steps=2",
                               "quantize.qat_images=8", "export.targets=[ort_cpu,tensorrt,metax]"])
     for mod, key in ((prune, "prune"), (quantize, "quantize"), (export, "export")):
         mod.run(OmegaConf.to_object(ctx.cfg[key]), ctx)
+    assert ctx.load_model("prune").encoder_mlp_widths() == [32, 32]
     for target in ("ort_cpu", "tensorrt", "metax"):
         folder = tmp_path / f"export-{target}"
         meta = json.loads((folder / "package.json").read_text())

@@ -419,6 +419,32 @@ class ModelAdapter(abc.ABC):
     def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
         """Physically remove heads (original indices within the *current* layer) in place."""
 
+    def encoder_mlp(self, layer: int) -> tuple[nn.Linear, nn.Linear]:
+        """Encoder layer ``layer``'s MLP: its widening projection and the one back (``fc2``), whose hidden
+        units :meth:`narrow_encoder_mlp` removes. ``NotImplementedError`` when the adapter cannot (the stage
+        names it in one line)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot narrow its encoder's MLP")
+
+    def encoder_mlp_widths(self) -> list[int]:
+        """Hidden units of each encoder layer's MLP, in order."""
+        return [int(self.encoder_mlp(l)[0].out_features) for l in range(len(self.encoder_head_counts()))]
+
+    def narrow_encoder_mlp(self, units: dict[int, Sequence[int]]) -> None:
+        """Keep only ``units[l]`` (indices within the *current* layer) of encoder layer ``l``'s MLP hidden
+        units, in place: the widening projection's rows, the projection back's columns."""
+        for layer, keep in units.items():
+            fc1, fc2 = self.encoder_mlp(int(layer))
+            idx = torch.as_tensor(sorted(int(u) for u in keep), dtype=torch.long)
+            if not len(idx) or int(idx[-1]) >= fc1.out_features or int(idx[0]) < 0:
+                raise ValueError(f"encoder layer {layer}: MLP units {list(keep)[:4]}... do not fit its "
+                                 f"{fc1.out_features}")
+            with torch.no_grad():
+                fc1.weight = nn.Parameter(fc1.weight[idx].clone())
+                if fc1.bias is not None:
+                    fc1.bias = nn.Parameter(fc1.bias[idx].clone())
+                fc2.weight = nn.Parameter(fc2.weight[:, idx].clone())
+            fc1.out_features = fc2.in_features = len(idx)
+
     def encoder_key_pools(self) -> list[list[int]]:
         """Each encoder layer's key/value pooling window ([rows, cols] of patches; [1, 1] = none)."""
         return [[1, 1] for _ in self.encoder_head_counts()]

@@ -78,16 +78,17 @@ def _patch_grid(model_config: Any) -> tuple[int, int]:
 
 
 def check_model_config(meta: dict, path: Path) -> None:
-    """What the schema cannot say alone: heads divide the width, one head count per encoder layer."""
+    """What the schema cannot say alone: heads divide the width, one head count and MLP width per encoder layer."""
     mc = meta["model_config"]
     where = f"{path.name} in {path.parent}"
     if mc["d_model"] % mc["num_heads"]:
         raise SchemaError(f"{where}: field 'model_config.num_heads'={mc['num_heads']} does not divide "
                           f"'model_config.d_model'={mc['d_model']}")
-    heads = meta.get("encoder_heads")
-    if heads is not None and len(heads) != mc["num_encoder_layers"]:
-        raise SchemaError(f"{where}: field 'encoder_heads' has {len(heads)} entries for "
-                          f"{mc['num_encoder_layers']} encoder layers")
+    for key in ("encoder_heads", "encoder_mlp"):
+        per_layer = meta.get(key)
+        if per_layer is not None and len(per_layer) != mc["num_encoder_layers"]:
+            raise SchemaError(f"{where}: field '{key}' has {len(per_layer)} entries for "
+                              f"{mc['num_encoder_layers']} encoder layers")
     pools = meta.get("encoder_key_pools")
     if pools is not None:
         if len(pools) != mc["num_encoder_layers"]:
@@ -111,7 +112,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
     # ---- loading and saving -------------------------------------------------------------
     @classmethod
     def _build(cls, model_config: Any, encoder_heads: Sequence[int] | None = None,
-               key_pools: Sequence[Sequence[int]] | None = None) -> torch.nn.Module:
+               key_pools: Sequence[Sequence[int]] | None = None,
+               mlp_widths: Sequence[int] | None = None) -> torch.nn.Module:
         from latex_ocr_junia.model import build_model
 
         model = build_model(model_config)
@@ -120,6 +122,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         for block, heads in zip(model.encoder_blocks, encoder_heads or []):
             if heads != block.attn.num_heads:
                 block.attn = ExplicitAttention(model_config.d_model, heads, head_dim, dropout=model_config.dropout)
+        for block, width in zip(model.encoder_blocks, mlp_widths or []):
+            if width != model_config.mlp_dim:  # a narrowed MLP (stage prune: prune.mlp_ratio)
+                block.mlp[0] = torch.nn.Linear(model_config.d_model, int(width))
+                block.mlp[3] = torch.nn.Linear(int(width), model_config.d_model)
         grid = _patch_grid(model_config)
         for block, window in zip(model.encoder_blocks, key_pools or []):
             block.attn.pool_keys(grid, (int(window[0]), int(window[1])))
@@ -158,7 +164,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             try:
                 from latex_ocr_junia.model import ModelConfig
                 model_config = ModelConfig(**meta["model_config"])
-                model = cls._build(model_config, meta.get("encoder_heads"), meta.get("encoder_key_pools"))
+                model = cls._build(model_config, meta.get("encoder_heads"), meta.get("encoder_key_pools"),
+                                   meta.get("encoder_mlp"))
                 state = load_file(str(folder / WEIGHTS))
                 model.load_state_dict(state)
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -208,7 +215,7 @@ class LatexOcrJuniaAdapter(ModelAdapter):
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}
         save_file(state, str(folder / WEIGHTS), metadata={"family": self.family})
-        pools = self.encoder_key_pools()
+        pools, widths = self.encoder_key_pools(), self.encoder_mlp_widths()
         meta = {
             "family": self.family,
             "model_config": asdict(self.model_config),
@@ -216,6 +223,8 @@ class LatexOcrJuniaAdapter(ModelAdapter):
             "head_dim": self.model_config.d_model // self.model_config.num_heads,
             # written only when some layer pools: a model without pooling saves what it always did
             **({"encoder_key_pools": pools} if any(w != [1, 1] for w in pools) else {}),
+            # written only when some layer's MLP was narrowed (prune.mlp_ratio)
+            **({"encoder_mlp": widths} if any(w != self.model_config.mlp_dim for w in widths) else {}),
             # a model recovered to read only some of its patch tokens (pipeline/tokens/policy.py)
             **({"token_policy": self.token_policy.to_dict()} if self.token_policy is not None else {}),
             "tokenizer": TOKENIZER,
@@ -342,6 +351,10 @@ class LatexOcrJuniaAdapter(ModelAdapter):
 
     def encoder_attention(self, layer: int) -> ExplicitAttention:
         return self.model.encoder_blocks[layer].attn
+
+    def encoder_mlp(self, layer: int) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+        mlp = self.model.encoder_blocks[layer].mlp  # Linear, GELU, Dropout, Linear, Dropout
+        return mlp[0], mlp[3]
 
     def remove_encoder_heads(self, heads: dict[int, Sequence[int]]) -> None:
         for layer, remove in heads.items():

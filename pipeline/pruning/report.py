@@ -60,13 +60,17 @@ def write_report(folder: Path, cfg, m: dict, all_scores: dict, removed: dict, he
 
     rows = []
     splits = list(m["splits"])
+    narrowed = "encoder_mlp" in m  # prune.mlp_ratio: each variant's MLP units per layer beside its heads
     for label, v in m["variants"].items():
-        rows.append([label, "/".join(map(str, v["encoder_heads"])), f"{v['params']:,}", f"{v['attention_params']:,}",
+        rows.append([label, "/".join(map(str, v["encoder_heads"])),
+                     *(["/".join(map(str, v.get("encoder_mlp", [])))] if narrowed else []),
+                     f"{v['params']:,}", f"{v['attention_params']:,}",
                      f"{v['encoder_gflops']:.2f}", f"{v['encoder_ms_batch1']:.1f}",
                      *(f"{v['splits'][s]['exact_match']:.3f}" for s in splits),
                      *(f"{v['splits'][s]['cer']:.3f}" for s in splits),
                      *(f"{v['splits'][s]['hit_cap_share']:.2f}" for s in splits)])
-    table = markdown_table(["variant", "heads per layer", "params", "attention params", "encoder GFLOPs",
+    table = markdown_table(["variant", "heads per layer", *(["MLP units per layer"] if narrowed else []),
+                            "params", "attention params", "encoder GFLOPs",
                             "encoder ms (batch 1)", *(f"exact match ({s})" for s in splits),
                             *(f"CER ({s})" for s in splits), *(f"hit length cap ({s})" for s in splits)], rows)
     holds = markdown_table(

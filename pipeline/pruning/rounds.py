@@ -17,11 +17,14 @@ import torch
 from pipeline.pruning import recover
 
 
-def pruned_copy(adapter, heads: dict[int, list[int]], pools: dict[int, list[int]], tokens: Optional[dict] = None):
-    """A copy of ``adapter`` without ``heads`` ({layer: head indices}), with ``pools``' keys pooled and
-    reading only the patch tokens of the ``tokens`` policy (None: all), not recovered."""
+def pruned_copy(adapter, heads: dict[int, list[int]], pools: dict[int, list[int]], tokens: Optional[dict] = None,
+                mlp_units: Optional[dict[int, list[int]]] = None):
+    """A copy of ``adapter`` without ``heads`` ({layer: head indices}), its MLPs narrowed to ``mlp_units``
+    ({layer: hidden units kept}), with ``pools``' keys pooled and reading only the patch tokens of the
+    ``tokens`` policy (None: all), not recovered."""
     twin = adapter.clone()
     twin.remove_encoder_heads(heads)
+    twin.narrow_encoder_mlp(mlp_units or {})
     twin.pool_encoder_keys(pools)
     twin.set_token_policy(tokens)
     return twin
@@ -35,11 +38,13 @@ def share(total: int, r: int, rounds: int) -> int:
 def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, images: torch.Tensor, latex: list[str],
                       log: dict, resume: Path, seed: int, progress: bool, device,
                       refit_extra: Optional[torch.Tensor] = None, tune: Optional[tuple] = None,
-                      pools: Optional[dict[int, list[int]]] = None):
+                      pools: Optional[dict[int, list[int]]] = None,
+                      mlp_units: Optional[dict[int, list[int]]] = None):
     """Remove ``removed`` in ``cfg.iterations`` rounds (lowest ``scores`` first), recovering after each
     (``cfg``: stage prune's settings); ``refit_extra``: more images for the refit alone; ``tune``: the
     finetune's (images, LaTeX, targets); ``pools``: layers whose keys are pooled from the start (with no
-    head removed, one recovery round for them alone). Each round's figures go to ``log["rounds"]``;
+    head removed, one recovery round for them alone); ``mlp_units``: {layer: MLP hidden units kept}, narrowed
+    in the first round. Each round's figures go to ``log["rounds"]``;
     ``resume``: the folder the finetune keeps its state in."""
     tune_images, tune_latex, tune_ids = tune if tune is not None else (images[:0], [], None)
     order = sorted(((scores[l][h], l, h) for l, hs in removed.items() for h in hs))
@@ -47,7 +52,9 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
               for i in range(cfg.iterations)]
     tokens = cfg.tokens.policy() if hasattr(cfg, "tokens") else None  # stage prune's token policy, or None
     train_tokens = cfg.tokens.policy(training=True) if tokens is not None else None  # the finetune's buckets
-    if (pools or tokens is not None) and not order:  # nothing pruned: one recovery round for them alone
+    mlp_units = mlp_units or {}
+    first_round = {**(pools or {}), **mlp_units}  # layers the first round changes besides its heads
+    if (first_round or tokens is not None) and not order:  # no head pruned: one recovery round for them alone
         rounds = [[]]
     student = original.clone()
     student.pool_encoder_keys(pools or {})
@@ -56,15 +63,17 @@ def prune_and_recover(original, removed: dict[int, list[int]], scores, cfg, imag
     current = {l: list(range(h)) for l, h in enumerate(original.encoder_head_counts())}  # original indices kept
     log["rounds"] = []
     for r, chunk in enumerate(rounds):
-        if not chunk and not ((pools or tokens is not None) and r == 0):
+        if not chunk and not ((first_round or tokens is not None) and r == 0):
             continue
         now: dict[int, list[int]] = {}
         for _, l, h in chunk:  # original head index -> its position in the current layer
             now.setdefault(l, []).append(current[l].index(h))
         student.remove_encoder_heads(now)
+        if r == 0:
+            student.narrow_encoder_mlp(mlp_units)
         for _, l, h in chunk:
             current[l].remove(h)
-        first = min([*now, *((pools or {}) if r == 0 else {})], default=0)
+        first = min([*now, *(first_round if r == 0 else {})], default=0)
         layers = list(range(first, len(current)))
         entry = {"removed": {str(k): v for k, v in sorted(now.items())}}
         student.set_token_policy(None)

@@ -15,7 +15,7 @@ from pipeline.data.render import render_inputs
 from pipeline.data.templates import varied_formulas
 from pipeline.errors import PipelineError
 from pipeline.evaluation import EvalItem
-from pipeline.pruning import measure, rounds, scores
+from pipeline.pruning import measure, mlp, rounds, scores
 from pipeline.pruning.heads import projections
 from pipeline.quantization import readings
 
@@ -156,15 +156,29 @@ def recovery_sets(cfg, ctx, original, changed: bool) -> tuple:
     return train_images, train_latex, refit_extra, tune
 
 
+def mlp_units(cfg, ctx, original, train_images: torch.Tensor) -> dict[int, list[int]]:
+    """{layer: MLP hidden units kept} for ``prune.mlp_ratio`` ({} when 0), scored by the original on the
+    refit's train images (rendered here when the recovery rendered none), over the tokens the stage's policy
+    keeps (every token without one): the tokens the narrowed model will read."""
+    if not cfg.mlp_ratio:
+        return {}
+    images = train_images[:cfg.refit_images] if len(train_images) else \
+        render(original, train_pool(ctx, ctx.seed), cfg.refit_images, ctx.progress, "render train")[0]
+    scorer = original.clone()
+    scorer.set_token_policy(cfg.tokens.policy())
+    return mlp.units_to_keep(mlp.unit_scores(scorer, images), cfg.mlp_ratio)
+
+
 def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores: dict, sets: tuple,
-             items: dict, inputs: dict, pools: dict, resume: Path, changed: bool, n_remove: int, lap) -> tuple:
+             items: dict, inputs: dict, pools: dict, resume: Path, changed: bool, n_remove: int, lap,
+             mlp_units: dict | None = None) -> tuple:
     """Each variant pruned, recovered and measured on ``items``: the original (cached), the pruned
     model before and after recovery, random heads at the same count. Returns (the rows, the pruned
     model to save, the recovery's log); ``lap(name)`` marks each one's end."""
     train_images, train_latex, refit_extra, tune = sets
     rows = {"original": baseline(original, items, cfg, ctx, inputs)}
     lap("original's check reading")
-    pruned_raw = rounds.pruned_copy(original, removed, pools, cfg.tokens.policy())
+    pruned_raw = rounds.pruned_copy(original, removed, pools, cfg.tokens.policy(), mlp_units)
     if cfg.check_before_recovery or not (cfg.recovery and changed):
         rows["pruned, before recovery"] = measure_variant(pruned_raw, items, cfg, ctx, "pruned")
         lap("check reading before recovery")
@@ -173,7 +187,7 @@ def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores
     if cfg.recovery and changed:
         pruned = rounds.prune_and_recover(original, removed, all_scores[cfg.criterion], cfg, train_images, train_latex,
                                           recovery_log, resume / "pruned", ctx.seed, ctx.progress, ctx.device,
-                                          refit_extra, tune, pools)
+                                          refit_extra, tune, pools, mlp_units)
         lap("recovery")
         rows["pruned, after recovery"] = measure_variant(pruned, items, cfg, ctx, "recovered")
         lap("check reading after recovery")
@@ -181,8 +195,8 @@ def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores
         rnd_log: dict = {}
         rnd = rounds.prune_and_recover(original, random_removed, all_scores["random"], cfg, train_images,
                                        train_latex, rnd_log, resume / "random", ctx.seed, ctx.progress,
-                                       ctx.device, refit_extra, tune, pools) \
-            if cfg.recovery else rounds.pruned_copy(original, random_removed, pools, cfg.tokens.policy())
+                                       ctx.device, refit_extra, tune, pools, mlp_units) \
+            if cfg.recovery else rounds.pruned_copy(original, random_removed, pools, cfg.tokens.policy(), mlp_units)
         label = "random heads, after recovery" if cfg.recovery else "random heads"
         rows[label] = measure_variant(rnd, items, cfg, ctx, "random")
         recovery_log["random"] = rnd_log
@@ -199,6 +213,7 @@ def stage_metrics(cfg, ctx, n_remove: int, head_counts: list, removed: dict, pru
         "removed": {str(k): v for k, v in removed.items()},
         "encoder_heads": pruned.encoder_head_counts(),
         "encoder_key_pools": pruned.encoder_key_pools(),
+        **({"encoder_mlp": pruned.encoder_mlp_widths()} if cfg.mlp_ratio else {}),
         "token_policy": pruned.token_policy.to_dict() if pruned.token_policy is not None else None,
         "flops_per_head": per_head, "spearman_vs_ablation": correlations,
         "variants": rows, "recovery": recovery_log, "reload_identical": reload_ok,

@@ -90,6 +90,9 @@ class PruneConfig:
     # recovery, so the recovery trains it in. [] = off (docs/results/2026-12-03-prune-pooled-keys.md)
     key_pool_layers: List[int] = field(default_factory=list)
     key_pool: List[int] = field(default_factory=lambda: [1, 2])
+    # narrowed MLPs: this share of every encoder layer's MLP hidden units removed, the lowest scored by mean
+    # |activation| x their weight back (pipeline/pruning/mlp.py), with the heads, before the recovery (0: off)
+    mlp_ratio: float = 0.0
     # token reduction (pipeline/tokens/policy.py): the pruned model reads only the patch tokens its policy
     # keeps, and the recovery's finetune trains it to (prune.tokens.enabled=true). Needs unpooled keys
     # (key_pool_layers=[]) and a family with a token grid
@@ -164,6 +167,8 @@ def validate(cfg: PruneConfig) -> None:
         raise PipelineError(f"prune.normalize must be one of {', '.join(select.NORMALIZE)}, got {cfg.normalize!r}")
     if not 0.0 <= cfg.ratio < 1.0:
         raise PipelineError(f"prune.ratio must be in [0, 1), got {cfg.ratio}")
+    if not 0.0 <= cfg.mlp_ratio < 1.0:
+        raise PipelineError(f"prune.mlp_ratio must be in [0, 1), got {cfg.mlp_ratio}")
     if cfg.flops_reduction is not None and not 0.0 <= cfg.flops_reduction < 1.0:
         raise PipelineError(f"prune.flops_reduction must be in [0, 1), got {cfg.flops_reduction}")
     if cfg.num_heads is not None and cfg.num_heads < 0:
@@ -216,6 +221,7 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     head_counts = original.encoder_head_counts()
     n_remove, per_head = _heads_to_remove(cfg, original, head_counts)
     pools = _key_pools(cfg, original, len(head_counts))
+    _check_mlp(cfg, original)
     cfg = _tokens_if_readable(cfg, original)
     changed = _changes(cfg, original, n_remove, pools)
     name = ctx.artifact_name("prune", cfg.name)
@@ -235,9 +241,10 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         removed, random_removed = _selected(cfg, all_scores, n_remove)
         sets = steps.recovery_sets(cfg, ctx, original, changed)
         items = steps.eval_items(cfg, ctx, original)
+        units = steps.mlp_units(cfg, ctx, original, sets[0])
         phases.lap("render and finetune targets")
         rows, pruned, recovery_log = steps.variants(cfg, ctx, original, removed, random_removed, all_scores, sets,
-                                                    items, inputs, pools, resume, changed, n_remove, phases.lap)
+                                                    items, inputs, pools, resume, changed, n_remove, phases.lap, units)
         reload_ok = _save(ctx, pruned, out.path / "model", items)
         phases.lap("save and reload")
         correlations = _write_head_scores(out.path, cfg, head_counts, all_scores, removed, random_removed)
@@ -302,6 +309,8 @@ def _artifact_config(cfg: PruneConfig, ctx: StageContext, name: str, n_remove: i
               "max_length": limits.max_length, **ctx.decoding_key(), "batch_size": limits.batch_size}
     if not cfg.refit_varied:  # the refit as it was before the option
         config.pop("refit_varied")
+    if not cfg.mlp_ratio:  # every MLP unit kept, as before the option
+        config.pop("mlp_ratio")
     if not cfg.key_pool_layers:  # no pooling: the keys earlier artifacts were made with
         config.pop("key_pool_layers")
         config.pop("key_pool")
@@ -341,7 +350,17 @@ def _changes(cfg: PruneConfig, adapter, n_remove: int, pools: dict) -> bool:
             twin.set_token_policy(cfg.tokens.policy())
         except PipelineError as exc:
             raise PipelineError(f"prune.tokens: {exc}") from None
-    return bool(n_remove or pools or cfg.tokens.enabled)
+    return bool(n_remove or pools or cfg.tokens.enabled or cfg.mlp_ratio)
+
+
+def _check_mlp(cfg: PruneConfig, adapter) -> None:
+    """``prune.mlp_ratio`` on a model whose encoder MLP cannot be narrowed: one error line, before the work."""
+    if cfg.mlp_ratio:
+        try:
+            adapter.encoder_mlp_widths()
+        except NotImplementedError as exc:
+            raise PipelineError(f"prune.mlp_ratio={cfg.mlp_ratio}: {exc}; 'prune.mlp_ratio=0' prunes heads "
+                                f"alone") from None
 
 
 def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
