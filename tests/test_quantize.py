@@ -553,7 +553,7 @@ def test_no_calibration_set_is_one_error_line_and_no_artifact(tmp_path):
     ("quantize.ort_cpu_activations=int4", "config: Error merging override quantize.ort_cpu_activations=int4: "
                                           "Invalid value 'int4', expected one of [int8, uint8]"),
     ("quantize.qat_precision=fp16", "config: Error merging override quantize.qat_precision=fp16: "
-                                    "Invalid value 'fp16', expected one of [fp32, bf16]"),
+                                    "Invalid value 'fp16', expected one of [auto, fp32, bf16]"),
     ("quantize.search_chunk=-1", "quantize.search_chunk must be >= 0"),
     ("quantize.search_split=shift", "quantize.search_split=shift is one of quantize.eval_splits"),
     ("quantize.qat_steps=-1", "quantize.qat_steps must be >= 0"),
