@@ -170,15 +170,16 @@ def mlp_units(cfg, ctx, original, train_images: torch.Tensor) -> dict[int, list[
 
 
 def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores: dict, sets: tuple,
-             items: dict, inputs: dict, pools: dict, resume: Path, changed: bool, n_remove: int, lap,
-             mlp_units: dict | None = None) -> tuple:
+             items: dict, inputs: dict, pools: dict, resume: Path, changed: bool, n_remove: int, lap) -> tuple:
     """Each variant pruned, recovered and measured on ``items``: the original (cached), the pruned
-    model before and after recovery, random heads at the same count. Returns (the rows, the pruned
+    model before and after recovery, random heads at the same count (each with the same MLP units kept where
+    ``prune.mlp_ratio`` narrows them). Returns (the rows, the pruned
     model to save, the recovery's log); ``lap(name)`` marks each one's end."""
     train_images, train_latex, refit_extra, tune = sets
+    units = mlp_units(cfg, ctx, original, train_images)  # prune.mlp_ratio's kept MLP units ({}: every unit)
     rows = {"original": baseline(original, items, cfg, ctx, inputs)}
     lap("original's check reading")
-    pruned_raw = rounds.pruned_copy(original, removed, pools, cfg.tokens.policy(), mlp_units)
+    pruned_raw = rounds.pruned_copy(original, removed, pools, cfg.tokens.policy(), units)
     if cfg.check_before_recovery or not (cfg.recovery and changed):
         rows["pruned, before recovery"] = measure_variant(pruned_raw, items, cfg, ctx, "pruned")
         lap("check reading before recovery")
@@ -187,7 +188,7 @@ def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores
     if cfg.recovery and changed:
         pruned = rounds.prune_and_recover(original, removed, all_scores[cfg.criterion], cfg, train_images, train_latex,
                                           recovery_log, resume / "pruned", ctx.seed, ctx.progress, ctx.device,
-                                          refit_extra, tune, pools, mlp_units)
+                                          refit_extra, tune, pools, units)
         lap("recovery")
         rows["pruned, after recovery"] = measure_variant(pruned, items, cfg, ctx, "recovered")
         lap("check reading after recovery")
@@ -195,8 +196,8 @@ def variants(cfg, ctx, original, removed: dict, random_removed: dict, all_scores
         rnd_log: dict = {}
         rnd = rounds.prune_and_recover(original, random_removed, all_scores["random"], cfg, train_images,
                                        train_latex, rnd_log, resume / "random", ctx.seed, ctx.progress,
-                                       ctx.device, refit_extra, tune, pools, mlp_units) \
-            if cfg.recovery else rounds.pruned_copy(original, random_removed, pools, cfg.tokens.policy(), mlp_units)
+                                       ctx.device, refit_extra, tune, pools, units) \
+            if cfg.recovery else rounds.pruned_copy(original, random_removed, pools, cfg.tokens.policy(), units)
         label = "random heads, after recovery" if cfg.recovery else "random heads"
         rows[label] = measure_variant(rnd, items, cfg, ctx, "random")
         recovery_log["random"] = rnd_log

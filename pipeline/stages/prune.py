@@ -214,15 +214,13 @@ def validate(cfg: PruneConfig) -> None:
 # ---- the stage --------------------------------------------------------------------------------
 def run(cfg: PruneConfig, ctx: StageContext) -> dict:
     validate(cfg)
-    cfg = replace(cfg, finetune_precision=ctx.training_precision("prune.finetune_precision", cfg.finetune_precision))
     phases = Phases()
     original = ctx.load_model(cfg.model)
     attns = steps.attention_layers(original)
     head_counts = original.encoder_head_counts()
     n_remove, per_head = _heads_to_remove(cfg, original, head_counts)
     pools = _key_pools(cfg, original, len(head_counts))
-    _check_mlp(cfg, original)
-    cfg = _tokens_if_readable(cfg, original)
+    cfg = _as_run(cfg, ctx, original)
     changed = _changes(cfg, original, n_remove, pools)
     name = ctx.artifact_name("prune", cfg.name)
     inputs = {"model": ctx.model_hash(cfg.model), "corpus": sha256_json([(f.id, f.latex, f.split) for f in ctx.corpus()])}
@@ -241,10 +239,9 @@ def run(cfg: PruneConfig, ctx: StageContext) -> dict:
         removed, random_removed = _selected(cfg, all_scores, n_remove)
         sets = steps.recovery_sets(cfg, ctx, original, changed)
         items = steps.eval_items(cfg, ctx, original)
-        units = steps.mlp_units(cfg, ctx, original, sets[0])
         phases.lap("render and finetune targets")
         rows, pruned, recovery_log = steps.variants(cfg, ctx, original, removed, random_removed, all_scores, sets,
-                                                    items, inputs, pools, resume, changed, n_remove, phases.lap, units)
+                                                    items, inputs, pools, resume, changed, n_remove, phases.lap)
         reload_ok = _save(ctx, pruned, out.path / "model", items)
         phases.lap("save and reload")
         correlations = _write_head_scores(out.path, cfg, head_counts, all_scores, removed, random_removed)
@@ -351,6 +348,15 @@ def _changes(cfg: PruneConfig, adapter, n_remove: int, pools: dict) -> bool:
         except PipelineError as exc:
             raise PipelineError(f"prune.tokens: {exc}") from None
     return bool(n_remove or pools or cfg.tokens.enabled or cfg.mlp_ratio)
+
+
+def _as_run(cfg: PruneConfig, ctx: StageContext, adapter) -> PruneConfig:
+    """``cfg`` as it runs on this machine and model: the finetune's precision resolved (``auto``), MLP narrowing
+    checked against the model, the token policy dropped where the model cannot read a subset and the chain lets it
+    (:func:`_tokens_if_readable`)."""
+    cfg = replace(cfg, finetune_precision=ctx.training_precision("prune.finetune_precision", cfg.finetune_precision))
+    _check_mlp(cfg, adapter)
+    return _tokens_if_readable(cfg, adapter)
 
 
 def _check_mlp(cfg: PruneConfig, adapter) -> None:
