@@ -9,8 +9,6 @@ the rest.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from pipeline.pruning.scores import _batches
@@ -53,8 +51,3 @@ def units_to_keep(scores: dict[int, torch.Tensor], ratio: float) -> dict[int, li
         order = sorted(range(len(s)), key=lambda u: (-float(s[u]), u))
         out[l] = sorted(order[:keep])
     return out
-
-
-def widths(units: dict[int, Sequence[int]], adapter) -> list[int]:
-    """Each encoder layer's MLP width once ``units`` are kept."""
-    return [len(units[l]) if l in units else w for l, w in enumerate(adapter.encoder_mlp_widths())]
