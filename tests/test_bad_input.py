@@ -582,7 +582,7 @@ def test_a_broken_model_folder_names_the_field(work, tmp_path, case, needles):
     assert all(n in str(err.value) for n in needles), str(err.value)
 
 
-@pytest.mark.parametrize("script", ["encoder_tokens", "verify_deviation"])
+@pytest.mark.parametrize("script", ["encoder_tokens", "verify_deviation", "int8_precision"])
 def test_a_benchmark_given_no_package_says_which_in_one_line(tmp_path, capsys, script):
     """The benchmark scripts find their packages with pipeline.files.find_package: a ref that is neither a
     package folder nor an export stage under the root is one line and exit 2."""

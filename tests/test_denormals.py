@@ -92,7 +92,8 @@ def test_a_package_records_its_session_config_and_reads_in_its_mode_on_any_threa
     from pipeline.export.runtime import OnnxPackage
 
     meta = json.loads((ort_pkg / "package.json").read_text())
-    assert meta["session_config"] == {"session.set_denormal_as_zero": "1", "session.intra_op.allow_spinning": "0"}
+    assert meta["session_config"] == {"session.set_denormal_as_zero": "1", "session.intra_op.allow_spinning": "0",
+                                      "session.x64quantprecision": "1"}
     flushed, plain = OnnxPackage(ort_pkg, threads=1), OnnxPackage(ort_pkg, threads=1, flush_denormals=False)
     for package, entry in ((flushed, "1"), (plain, "0")):
         for graph, session in package.sessions.items():
@@ -111,6 +112,17 @@ def test_a_package_records_its_session_config_and_reads_in_its_mode_on_any_threa
     assert seen == {"flushed": [True], "plain": [False]}
     assert denormals.flushing()  # and gives the thread its mode back
     assert results["flushed"].token_ids == results["plain"].token_ids
+
+
+def test_session_entries_go_over_the_packages_own_in_every_session(ort_pkg):
+    """benchmarks/int8_precision.py reads one package with ONNX Runtime's U8S8 kernels as they come."""
+    from pipeline.export.runtime import PRECISE_INT8, OnnxPackage
+
+    for entries, want in ((None, "1"), ({PRECISE_INT8: "0"}, "0")):
+        package = OnnxPackage(ort_pkg, threads=1, session_entries=entries)
+        for graph, session in package.sessions.items():
+            assert session.get_session_options().get_session_config_entry(PRECISE_INT8) == want, graph
+            assert session.get_session_options().get_session_config_entry(denormals.SESSION_ENTRY) == "1", graph
 
 
 def test_model_flush_denormals_false_is_recorded_in_the_package(tmp_path):

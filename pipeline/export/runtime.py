@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 
 
 NO_SPINNING = "session.intra_op.allow_spinning"
+# exact INT8 products on x86 CPUs without VNNI (AVX2, AVX-512 without VNNI): there ONNX Runtime's U8S8 kernel
+# adds pairs of products in 16 bits (vpmaddubsw), which saturate, and the INT8 encoder and the dynamic INT8
+# cross-K/V read wrong; "1" makes it use U8U8 on those CPUs and leaves VNNI CPUs as they are (docs/export.md)
+PRECISE_INT8 = "session.x64quantprecision"
 
 # package.json: format. v2: the encoder may take a "keep" input (package.json: token_policy), which a v1
 # runtime would not feed; a package without a policy stays v1 (any runtime reads it)
@@ -44,10 +48,11 @@ def package_format(token_policy: bool) -> str:
 def session_config(flush_denormals: bool = True) -> dict[str, str]:
     """The ONNX Runtime session config entries a package records (``package.json: session_config``) and
     every session of this project uses: denormals flushed to zero (:mod:`pipeline.denormals`) unless
-    ``model.flush_denormals=false``, and pools that do not spin between calls (a package runs its sessions
+    ``model.flush_denormals=false``, pools that do not spin between calls (a package runs its sessions
     in turn, each with a pool of its own; a spinning pool takes the cores the next session needs: 2 cores,
-    ORT's default threads, batch 1: 115 ms a formula end to end spinning, 55 not; docs/export.md)."""
-    return {denormals.SESSION_ENTRY: "1" if flush_denormals else "0", NO_SPINNING: "0"}
+    ORT's default threads, batch 1: 115 ms a formula end to end spinning, 55 not; docs/export.md), and
+    INT8 products that do not saturate on CPUs without VNNI (:data:`PRECISE_INT8`)."""
+    return {denormals.SESSION_ENTRY: "1" if flush_denormals else "0", NO_SPINNING: "0", PRECISE_INT8: "1"}
 
 
 def session_options(threads: int = 0, config: dict[str, str] | None = None):
@@ -166,7 +171,8 @@ class OnnxPackage:
     CPU's), else in plain greedy steps (rows would accept drafts of different lengths)."""
 
     def __init__(self, folder: str | Path, threads: int = 0, provider: str | None = None, speculative: bool = True,
-                 provider_options: dict | None = None, flush_denormals: bool | None = None):
+                 provider_options: dict | None = None, flush_denormals: bool | None = None,
+                 session_entries: dict[str, str] | None = None):
         import onnxruntime as ort
 
         self.folder = Path(folder)
@@ -188,7 +194,8 @@ class OnnxPackage:
         self.provider = providers[0] if isinstance(providers[0], str) else providers[0][0]
         # the package's session config (packages from before it was recorded: this runtime's defaults);
         # flush_denormals overrides its denormal entry (the benchmark's plain row: what users ran before)
-        config = {**session_config(), **(self.meta.get("session_config") or {})}
+        # session_entries: entries over the package's own (a benchmark's comparison)
+        config = {**session_config(), **(self.meta.get("session_config") or {}), **(session_entries or {})}
         if flush_denormals is not None:
             config[denormals.SESSION_ENTRY] = "1" if flush_denormals else "0"
         self.flush_denormals = config[denormals.SESSION_ENTRY] == "1"
