@@ -425,6 +425,14 @@ class ModelAdapter(abc.ABC):
         names it in one line)."""
         raise NotImplementedError(f"{type(self).__name__} cannot narrow its encoder's MLP")
 
+    def narrows_mlp(self) -> bool:
+        """Whether this family can narrow its encoder's MLP (:meth:`encoder_mlp`)."""
+        try:
+            self.encoder_mlp(0)
+        except NotImplementedError:
+            return False
+        return True
+
     def encoder_mlp_widths(self) -> list[int]:
         """Hidden units of each encoder layer's MLP, in order."""
         return [int(self.encoder_mlp(l)[0].out_features) for l in range(len(self.encoder_head_counts()))]

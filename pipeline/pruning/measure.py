@@ -32,16 +32,8 @@ def measure(adapter, items: dict[str, list[EvalItem]], max_length: int, batch_si
         **{key: next(iter(splits.values()))[key] for key in ("exact_match", "cer", "bleu", "hit_cap_share")},
         "splits": splits,
         "encoder_heads": adapter.encoder_head_counts(),
-        **_mlp_widths(adapter),
+        **({"encoder_mlp": adapter.encoder_mlp_widths()} if adapter.narrows_mlp() else {}),
     }
-
-
-def _mlp_widths(adapter) -> dict:
-    """{"encoder_mlp": each encoder layer's MLP units} where the family can narrow them, else {}."""
-    try:
-        return {"encoder_mlp": adapter.encoder_mlp_widths()}
-    except NotImplementedError:
-        return {}
 
 
 def holds(pruned: dict, original: dict, em_tolerance: float, cer_tolerance: float) -> dict:

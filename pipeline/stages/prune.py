@@ -361,12 +361,9 @@ def _as_run(cfg: PruneConfig, ctx: StageContext, adapter) -> PruneConfig:
 
 def _check_mlp(cfg: PruneConfig, adapter) -> None:
     """``prune.mlp_ratio`` on a model whose encoder MLP cannot be narrowed: one error line, before the work."""
-    if cfg.mlp_ratio:
-        try:
-            adapter.encoder_mlp_widths()
-        except NotImplementedError as exc:
-            raise PipelineError(f"prune.mlp_ratio={cfg.mlp_ratio}: {exc}; 'prune.mlp_ratio=0' prunes heads "
-                                f"alone") from None
+    if cfg.mlp_ratio and not adapter.narrows_mlp():
+        raise PipelineError(f"prune.mlp_ratio={cfg.mlp_ratio}: {type(adapter).__name__} cannot narrow its encoder's "
+                            f"MLP; 'prune.mlp_ratio=0' prunes heads alone")
 
 
 def _key_pools(cfg: PruneConfig, adapter, layers: int) -> dict[int, list[int]]:
