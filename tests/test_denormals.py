@@ -125,6 +125,37 @@ def test_session_entries_go_over_the_packages_own_in_every_session(ort_pkg):
             assert session.get_session_options().get_session_config_entry(denormals.SESSION_ENTRY) == "1", graph
 
 
+def test_a_graph_onnx_runtime_cannot_load_with_exact_int8_is_read_without_it_and_said(ort_pkg, monkeypatch, caplog):
+    """ONNX Runtime's S8-to-U8 rewrite behind session.x64quantprecision fails on some of its own QDQ graphs
+    (quantize_static's, on CPUs without VNNI): that graph reads as it would without the entry, with a
+    warning; a graph that fails either way is one error line."""
+    import onnxruntime as ort
+
+    from pipeline.errors import PipelineError
+    from pipeline.export.runtime import PRECISE_INT8, OnnxPackage
+
+    real = ort.InferenceSession
+
+    def session(path, so, providers, refuse="encoder"):
+        if refuse in str(path) and so.get_session_config_entry(PRECISE_INT8) == "1":
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Attempt to replace the existing tensor\nmore")
+        return real(path, so, providers=providers)
+
+    monkeypatch.setattr(ort, "InferenceSession", session)
+    with caplog.at_level("WARNING"):
+        package = OnnxPackage(ort_pkg, threads=1)
+    entries = {g: s.get_session_options().get_session_config_entry(PRECISE_INT8) for g, s in package.sessions.items()}
+    assert entries.pop("encoder") == "0" and set(entries.values()) == {"1"}
+    assert f"encoder: ONNX Runtime cannot load encoder.onnx with {PRECISE_INT8}=1" in caplog.text
+
+    def broken(path, so, providers):
+        raise RuntimeError("[ONNXRuntimeError] : 10 : INVALID_GRAPH : broken\nmore")
+
+    monkeypatch.setattr(ort, "InferenceSession", broken)
+    with pytest.raises(PipelineError, match=r"^encoder: ONNX Runtime cannot load encoder.onnx: .*broken$"):
+        OnnxPackage(ort_pkg, threads=1)
+
+
 def test_model_flush_denormals_false_is_recorded_in_the_package(tmp_path):
     meta = json.loads((_export(tmp_path, "model.flush_denormals=false") / "package.json").read_text())
     assert meta["session_config"][denormals.SESSION_ENTRY] == "0"

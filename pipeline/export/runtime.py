@@ -200,8 +200,7 @@ class OnnxPackage:
             config[denormals.SESSION_ENTRY] = "1" if flush_denormals else "0"
         self.flush_denormals = config[denormals.SESSION_ENTRY] == "1"
         self._mode_warned = False
-        so = session_options(threads, config)
-        self._session_args = (so, providers)
+        self._session_args = (threads, config, providers)
         self.sessions = {}
         for graph in REQUIRED_GRAPHS:
             path = self.folder / self.meta["graphs"][graph]
@@ -309,12 +308,27 @@ class OnnxPackage:
         error line."""
         import onnxruntime as ort
 
-        so, providers = self._session_args
+        threads, config, providers = self._session_args
         try:  # made in the package's mode: the session's pool threads start with this thread's
             with denormals.thread_mode(self.flush_denormals):
-                return ort.InferenceSession(str(path), so, providers=providers)
+                return ort.InferenceSession(str(path), session_options(threads, config), providers=providers)
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise PipelineError(f"{what}: ONNX Runtime cannot load {Path(path).name}: {str(exc).splitlines()[0]}") from None
+            error = str(exc).splitlines()[0]
+        if config.get(PRECISE_INT8) == "1":
+            # ONNX Runtime's S8-to-U8 rewrite that the entry turns on fails on some QDQ graphs of its own
+            # quantize_static (S8 activations; "Attempt to replace the existing tensor"): read them as it
+            # would without the entry
+            try:
+                with denormals.thread_mode(self.flush_denormals):
+                    session = ort.InferenceSession(str(path), session_options(threads, {**config, PRECISE_INT8: "0"}),
+                                                   providers=providers)
+            except Exception:  # the same error line as with the entry, below
+                pass
+            else:
+                log.warning("%s: ONNX Runtime cannot load %s with %s=1 (%s); reading it with its U8S8 kernels, which "
+                            "saturate on CPUs without VNNI", what, Path(path).name, PRECISE_INT8, error)
+                return session
+        raise PipelineError(f"{what}: ONNX Runtime cannot load {Path(path).name}: {error}")
 
     # ---- steps --------------------------------------------------------------------------------
     def preprocess(self, image: Image.Image) -> np.ndarray:
