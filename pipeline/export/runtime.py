@@ -309,25 +309,22 @@ class OnnxPackage:
         import onnxruntime as ort
 
         threads, config, providers = self._session_args
-        try:  # made in the package's mode: the session's pool threads start with this thread's
-            with denormals.thread_mode(self.flush_denormals):
-                return ort.InferenceSession(str(path), session_options(threads, config), providers=providers)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            error = str(exc).splitlines()[0]
-        if config.get(PRECISE_INT8) == "1":
-            # ONNX Runtime's S8-to-U8 rewrite that the entry turns on fails on some QDQ graphs of its own
-            # quantize_static (S8 activations; "Attempt to replace the existing tensor"): read them as it
-            # would without the entry
-            try:
+        # ONNX Runtime's S8-to-U8 rewrite that PRECISE_INT8 turns on fails on some QDQ graphs of its own
+        # quantize_static (S8 activations; "Attempt to replace the existing tensor"): read those as it would
+        # without the entry, and say so
+        tries = [config] + ([{**config, PRECISE_INT8: "0"}] if config.get(PRECISE_INT8) == "1" else [])
+        error = ""
+        for k, entries in enumerate(tries):
+            try:  # made in the package's mode: the session's pool threads start with this thread's
                 with denormals.thread_mode(self.flush_denormals):
-                    session = ort.InferenceSession(str(path), session_options(threads, {**config, PRECISE_INT8: "0"}),
-                                                   providers=providers)
-            except Exception:  # the same error line as with the entry, below
-                pass
-            else:
+                    session = ort.InferenceSession(str(path), session_options(threads, entries), providers=providers)
+            except Exception as exc:  # onnxruntime raises its own exception types
+                error = error or str(exc).splitlines()[0]
+                continue
+            if k:
                 log.warning("%s: ONNX Runtime cannot load %s with %s=1 (%s); reading it with its U8S8 kernels, which "
                             "saturate on CPUs without VNNI", what, Path(path).name, PRECISE_INT8, error)
-                return session
+            return session
         raise PipelineError(f"{what}: ONNX Runtime cannot load {Path(path).name}: {error}")
 
     # ---- steps --------------------------------------------------------------------------------
